@@ -1,0 +1,102 @@
+"""Array plumbing: which namespace an input belongs to, and the dtype rules.
+
+NumPy arrays are handled by NumPy itself (NumPy >= 2 implements the array API);
+anything else (PyTorch tensors, ...) goes through ``array-api-compat``, which is
+an optional dependency.  Every function returns the kind of array it was given.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+Array = Any  # an array-API array: numpy.ndarray, torch.Tensor, ...
+
+_COMPUTE_DTYPES = ("float32", "float64")
+
+
+def namespace(*arrays: Array):
+    """The array namespace of ``arrays`` (``None`` entries ignored)."""
+    present = [a for a in arrays if a is not None]
+    if all(isinstance(a, np.ndarray | np.generic) for a in present):
+        return np
+    try:
+        import array_api_compat
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        kinds = sorted({type(a).__name__ for a in present})
+        raise TypeError(
+            f"arrays of type {kinds} need the optional package array-api-compat; "
+            "install it with: pip install 'attngrad[torch]'"
+        ) from exc
+    try:
+        return array_api_compat.array_namespace(*present)
+    except TypeError as exc:
+        kinds = sorted({type(a).__name__ for a in present})
+        raise TypeError(
+            f"expected arrays of one library (NumPy, or PyTorch tensors); got {kinds}"
+        ) from exc
+
+
+def dtype_name(dtype) -> str:
+    """'float32', 'int64', ... for a NumPy or PyTorch dtype."""
+    return str(dtype).rsplit(".", 1)[-1]
+
+
+def is_array(a) -> bool:
+    return hasattr(a, "shape") and hasattr(a, "dtype") and not isinstance(a, np.generic | type)
+
+
+def check_array(name: str, a, ndim: int | None = None, layout: str = "") -> None:
+    """TypeError unless ``a`` is an array; ValueError unless it has ``ndim`` axes."""
+    if not is_array(a):
+        raise TypeError(
+            f"{name} must be an array (NumPy array or PyTorch tensor); got {type(a).__name__}"
+        )
+    if ndim is not None and len(a.shape) != ndim:
+        want = f" {layout}" if layout else ""
+        raise ValueError(
+            f"{name} must have {ndim} dimensions{want}; got shape {tuple(a.shape)}"
+        )
+
+
+def check_float_dtypes(arrays: dict[str, Array]) -> Any:
+    """All named arrays must share one real floating dtype; returns that dtype.
+
+    Integer, boolean or complex dtypes and mixtures raise TypeError naming the argument.
+    """
+    first_name, first = None, None
+    for name, a in arrays.items():
+        if a is None:
+            continue
+        kind = dtype_name(a.dtype)
+        if kind not in ("float16", "bfloat16", "float32", "float64"):
+            raise TypeError(
+                f"{name} must have a real floating dtype (float16, bfloat16, float32 or "
+                f"float64); got {kind}"
+            )
+        if first is None:
+            first_name, first = name, a
+        elif a.dtype != first.dtype:
+            raise TypeError(
+                f"{name} has dtype {kind} but {first_name} has dtype "
+                f"{dtype_name(first.dtype)}; all floating inputs must share one dtype"
+            )
+    return None if first is None else first.dtype
+
+
+def compute_dtype(xp, dtype):
+    """Half precision is computed in float32; float32/float64 as given."""
+    if dtype_name(dtype) in _COMPUTE_DTYPES:
+        return dtype
+    return xp.float32
+
+
+def check_scale(scale) -> float:
+    """A finite, strictly positive Python float, or ValueError/TypeError naming ``scale``."""
+    if isinstance(scale, bool) or not isinstance(scale, int | float | np.floating | np.integer):
+        raise TypeError(f"scale must be a real number; got {type(scale).__name__}")
+    value = float(scale)
+    if not np.isfinite(value) or value <= 0.0:
+        raise ValueError(f"scale must be finite and > 0; got {value!r}")
+    return value

@@ -1,0 +1,238 @@
+"""Multi-head attention layer: forward and closed-form backward (docs/equations.md, M1-M9).
+
+    Q = X_q W_q + b_q,  K = X_k W_k + b_k,  V = X_v W_v + b_v          (M1)
+    O_h = Attention(Q_h, K_h, V_h)  for each head h                    (M2)
+    C = concat_h O_h                                                   (M3)
+    Y = C W_o + b_o                                                    (M4)
+
+Parameters are a mapping with keys ``W_q W_k W_v W_o`` and optional ``b_q b_k b_v b_o``;
+gradients come back as a mapping with the same keys.  W_q is (E, H*D), W_k (kdim, Hkv*D),
+W_v (vdim, Hkv*Dv), W_o (H*Dv, E_out), as in "Attention Is All You Need".
+
+The three Transformer flavors are calls of the same layer:
+  encoder self-attention      mha_forward(p, x, key_lengths=...)
+  encoder-decoder attention   mha_forward(p, x, m)             (queries x, keys/values m)
+  masked decoder attention    mha_forward(p, x, causal=True)
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from ..core._xp import Array, check_array, check_float_dtypes, namespace
+from ..core.sdpa import SDPACache, sdpa_backward, sdpa_forward
+
+WEIGHTS = ("W_q", "W_k", "W_v", "W_o")
+BIASES = ("b_q", "b_k", "b_v", "b_o")
+PARAM_NAMES = WEIGHTS + BIASES
+
+
+class MHACache(NamedTuple):
+    """What :func:`mha_backward` needs.
+
+    Memory: the layer inputs (by reference), the concatenated heads C (B, Lq, H*Dv) and
+    the attention core's cache (its P is B*H*Lq*Lk values).
+    """
+
+    params: dict  # the parameters, by reference
+    query: Array  # (B, Lq, E)
+    key: Array  # (B, Lk, kdim)  (the query itself for self-attention)
+    value: Array  # (B, Lk, vdim)  (the key source when not given)
+    sources: tuple  # which argument each of query/key/value came from: "query", "key", "value"
+    context: Array  # (B, Lq, H*Dv) concatenated head outputs, C of (M3)
+    attn: SDPACache
+    heads: int  # H
+    kv_heads: int  # Hkv
+
+
+def check_params(params, num_heads: int, num_kv_heads: int | None = None) -> tuple[int, int, int, int]:
+    """Validate parameter names and shapes; returns (H, Hkv, D, Dv)."""
+    if not hasattr(params, "keys"):
+        raise TypeError(f"params must be a mapping of arrays; got {type(params).__name__}")
+    unknown = sorted(set(params) - set(PARAM_NAMES))
+    if unknown:
+        raise ValueError(f"params has unknown keys {unknown}; expected some of {list(PARAM_NAMES)}")
+    missing = [w for w in WEIGHTS if w not in params]
+    if missing:
+        raise ValueError(f"params is missing weights {missing}")
+    for name in PARAM_NAMES:
+        if name in params:
+            check_array(f"params[{name!r}]", params[name], 2 if name in WEIGHTS else 1)
+    if isinstance(num_heads, bool) or not isinstance(num_heads, int | np.integer) or num_heads < 1:
+        raise ValueError(f"num_heads must be a positive integer; got {num_heads!r}")
+    hkv = num_heads if num_kv_heads is None else num_kv_heads
+    if isinstance(hkv, bool) or not isinstance(hkv, int | np.integer) or hkv < 1 or num_heads % hkv:
+        raise ValueError(
+            f"num_kv_heads must be a positive divisor of num_heads={num_heads}; got {num_kv_heads!r}"
+        )
+    wq, wk, wv, wo = (params[w] for w in WEIGHTS)
+    if wq.shape[1] % num_heads:
+        raise ValueError(
+            f"num_heads={num_heads} must divide the width of W_q (E, H*D); got W_q of shape "
+            f"{tuple(wq.shape)}"
+        )
+    d = wq.shape[1] // num_heads
+    if tuple(wk.shape[1:]) != (hkv * d,):
+        raise ValueError(f"W_k must have shape (kdim, Hkv*D) = (kdim, {hkv * d}); got {tuple(wk.shape)}")
+    if wv.shape[1] % hkv:
+        raise ValueError(f"num_kv_heads={hkv} must divide the width of W_v; got W_v of shape {tuple(wv.shape)}")
+    dv = wv.shape[1] // hkv
+    if wo.shape[0] != num_heads * dv:
+        raise ValueError(f"W_o must have shape (H*Dv, E) = ({num_heads * dv}, E); got {tuple(wo.shape)}")
+    for b, w, axis in (("b_q", wq, 1), ("b_k", wk, 1), ("b_v", wv, 1), ("b_o", wo, 1)):
+        if b in params and tuple(params[b].shape) != (w.shape[axis],):
+            raise ValueError(f"{b} must have shape ({w.shape[axis]},); got {tuple(params[b].shape)}")
+    return num_heads, hkv, d, dv
+
+
+def _linear(x, w, b):
+    y = x @ w  # (B, L, in) @ (in, out) -> (B, L, out)
+    return y if b is None else y + b
+
+
+def split_heads(xp, x, heads: int):
+    """(B, L, heads*D) -> (B, heads, L, D)."""
+    b, l, hd = x.shape
+    return xp.permute_dims(xp.reshape(x, (b, l, heads, hd // heads)), (0, 2, 1, 3))
+
+
+def merge_heads(xp, x):
+    """(B, heads, L, D) -> (B, L, heads*D)."""
+    b, h, l, d = x.shape
+    return xp.reshape(xp.permute_dims(x, (0, 2, 1, 3)), (b, l, h * d))
+
+
+def mha_forward(
+    params,
+    query,
+    key=None,
+    value=None,
+    *,
+    num_heads: int,
+    num_kv_heads: int | None = None,
+    mask=None,
+    key_lengths=None,
+    key_mask=None,
+    causal=False,
+    scale=None,
+):
+    """Multi-head attention.  Returns ``(y, cache)``, y of shape (B, Lq, E_out).
+
+    query (B, Lq, E); key (B, Lk, kdim), default: query (self-attention); value
+    (B, Lk, vdim), default: key.  Masks as in :func:`attngrad.sdpa_forward`.
+    """
+    H, Hkv, _, _ = check_params(params, num_heads, num_kv_heads)
+    key_src = query if key is None else key
+    value_src = key_src if value is None else value
+    sources = ("query", "query" if key is None else "key", ("query" if key is None else "key") if value is None else "value")
+    for name, x in (("query", query), ("key", key_src), ("value", value_src)):
+        check_array(name, x, 3, "(B, L, E)")
+    check_float_dtypes({"query": query, "key": key, "value": value, **params})
+    xp = namespace(query, key, value, *params.values())
+    wq, wk, wv, wo = (params[w] for w in WEIGHTS)
+    bq, bk, bv, bo = (params.get(b) for b in BIASES)
+    for name, x, w, wname in (("query", query, wq, "W_q"), ("key", key_src, wk, "W_k"), ("value", value_src, wv, "W_v")):
+        if x.shape[2] != w.shape[0]:
+            raise ValueError(
+                f"{name} has feature size {x.shape[2]} but {wname} expects {w.shape[0]} "
+                f"({wname} has shape {tuple(w.shape)})"
+            )
+    if key_src.shape[:2] != value_src.shape[:2] or key_src.shape[0] != query.shape[0]:
+        raise ValueError(
+            f"query, key and value must share B, and key and value share Lk; got shapes "
+            f"{tuple(query.shape)}, {tuple(key_src.shape)}, {tuple(value_src.shape)}"
+        )
+    q = split_heads(xp, _linear(query, wq, bq), H)  # (M1) (B, H, Lq, D)
+    k = split_heads(xp, _linear(key_src, wk, bk), Hkv)  # (M1) (B, Hkv, Lk, D)
+    v = split_heads(xp, _linear(value_src, wv, bv), Hkv)  # (M1) (B, Hkv, Lk, Dv)
+    o, attn = sdpa_forward(
+        q, k, v, mask=mask, key_lengths=key_lengths, key_mask=key_mask, causal=causal, scale=scale
+    )  # (M2) (B, H, Lq, Dv)
+    c = merge_heads(xp, o)  # (M3) (B, Lq, H*Dv)
+    y = _linear(c, wo, bo)  # (M4) (B, Lq, E_out)
+    cache = MHACache(dict(params), query, key_src, value_src, sources, c, attn, H, Hkv)
+    return y, cache
+
+
+def _weight_grad(xp, x, dy):
+    """sum over batch and length of x^T dy: (B, L, in), (B, L, out) -> (in, out)."""
+    b, l, n_in = x.shape
+    return xp.matrix_transpose(xp.reshape(x, (b * l, n_in))) @ xp.reshape(dy, (b * l, dy.shape[2]))
+
+
+def mha_backward(dy, cache: MHACache) -> tuple[dict, dict]:
+    """Closed-form gradients of the layer given dY (B, Lq, E_out).
+
+    Returns ``(input_grads, param_grads)``.  ``input_grads`` has ``"query"``, plus
+    ``"key"`` / ``"value"`` for the sources that were passed separately; where one array
+    fed several projections (self-attention), its gradient is their sum (M9).
+    ``param_grads`` has the keys of the parameters.
+    """
+    p = cache.params
+    xp = namespace(dy, cache.context)
+    check_array("dy", dy, 3, "(B, Lq, E_out)")
+    want = tuple(cache.context.shape[:2]) + (p["W_o"].shape[1],)
+    if tuple(dy.shape) != want:
+        raise ValueError(f"dy must have the output's shape (B, Lq, E_out) = {want}; got {tuple(dy.shape)}")
+    grads = {}
+    grads["W_o"] = _weight_grad(xp, cache.context, dy)  # (M5) dW_o = C^T dY
+    if "b_o" in p:
+        grads["b_o"] = xp.sum(dy, axis=(0, 1))  # (M5) db_o = sum dY
+    dc = dy @ xp.matrix_transpose(p["W_o"])  # (M5) dC = dY W_o^T  (B, Lq, H*Dv)
+    g = sdpa_backward(split_heads(xp, dc, cache.heads), cache.attn)  # (M6) per-head A4-A9
+    inputs = {}
+    for role, x, w, b in (("query", cache.query, "W_q", "b_q"), ("key", cache.key, "W_k", "b_k"), ("value", cache.value, "W_v", "b_v")):
+        dproj = merge_heads(xp, g[role[0]])  # (B, L, heads*D): dQ, dK or dV
+        grads[w] = _weight_grad(xp, x, dproj)  # (M7) dW = X^T dQ
+        if b in p:
+            grads[b] = xp.sum(dproj, axis=(0, 1))  # (M7) db = sum dQ
+        dx = dproj @ xp.matrix_transpose(p[w])  # (M8) dX = dQ W^T
+        src = cache.sources["qkv".index(role[0])]
+        inputs[src] = dx if src not in inputs else inputs[src] + dx  # (M9)
+    grads = {name: grads[name] for name in PARAM_NAMES if name in p}
+    return inputs, grads
+
+
+def init_mha_params(
+    embed_dim: int,
+    num_heads: int,
+    *,
+    kdim: int | None = None,
+    vdim: int | None = None,
+    num_kv_heads: int | None = None,
+    head_dim: int | None = None,
+    value_head_dim: int | None = None,
+    bias: bool = True,
+    dtype="float64",
+    rng: np.random.Generator | int | None = 0,
+) -> dict:
+    """Random NumPy parameters (Xavier-uniform weights, small random biases)."""
+    if embed_dim < 1 or num_heads < 1:
+        raise ValueError(f"embed_dim and num_heads must be >= 1; got {embed_dim}, {num_heads}")
+    if head_dim is None:
+        if embed_dim % num_heads:
+            raise ValueError(f"num_heads={num_heads} must divide embed_dim={embed_dim}")
+        head_dim = embed_dim // num_heads
+    hkv = num_heads if num_kv_heads is None else num_kv_heads
+    if hkv < 1 or num_heads % hkv:
+        raise ValueError(f"num_kv_heads must divide num_heads={num_heads}; got {num_kv_heads}")
+    dv = head_dim if value_head_dim is None else value_head_dim
+    kdim = embed_dim if kdim is None else kdim
+    vdim = kdim if vdim is None else vdim
+    rng = np.random.default_rng(rng)
+    shapes = {
+        "W_q": (embed_dim, num_heads * head_dim),
+        "W_k": (kdim, hkv * head_dim),
+        "W_v": (vdim, hkv * dv),
+        "W_o": (num_heads * dv, embed_dim),
+    }
+    params = {}
+    for name, (n_in, n_out) in shapes.items():
+        limit = np.sqrt(6.0 / (n_in + n_out))
+        params[name] = rng.uniform(-limit, limit, size=(n_in, n_out)).astype(dtype)
+    if bias:
+        for b, w in zip(BIASES, WEIGHTS, strict=True):
+            params[b] = (0.1 * rng.standard_normal(shapes[w][1])).astype(dtype)
+    return params
