@@ -17,7 +17,7 @@ COMMANDS = ["check"]
 class _Parser(argparse.ArgumentParser):
     """Bad options: one line on stderr and exit 2, no usage dump, no traceback."""
 
-    def error(self, message):  # noqa: D102
+    def error(self, message):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 

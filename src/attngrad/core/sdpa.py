@@ -69,7 +69,7 @@ def validate_qkv(q, k, v) -> SDPAShape:
             f"got v of shape {tuple(v.shape)}"
         )
     hkv = k.shape[1]
-    if hkv == 0 and h != 0 or hkv and h % hkv:
+    if (hkv == 0 and h != 0) or (hkv and h % hkv):
         raise ValueError(
             f"q's heads H={h} must be a multiple of k/v heads Hkv={hkv} (grouped-query attention)"
         )
@@ -144,7 +144,7 @@ def _forward(xp, q, k, v, spec: MaskSpec, bias, scale, sh: SDPAShape, bias_shape
         k = xp.where(key_used, k, xp.zeros((), dtype=k.dtype))
         v = xp.where(key_used, v, xp.zeros((), dtype=v.dtype))
         lead = row_used.shape[:2]
-        row_used = xp.reshape(xp.broadcast_to(row_used, lead + (G, Lq, 1)), lead + (G * Lq, 1))
+        row_used = xp.reshape(xp.broadcast_to(row_used, (*lead, G, Lq, 1)), (*lead, G * Lq, 1))
         qg = xp.where(row_used, qg, xp.zeros((), dtype=qg.dtype))
     s = scale * (qg @ xp.matrix_transpose(k))  # (A1) (B, Hkv, G*Lq, Lk)
     s = xp.reshape(s, (B, Hkv, G, Lq, Lk))  # (B, Hkv, G, Lq, Lk)

@@ -173,7 +173,7 @@ def mha_backward(dy, cache: MHACache) -> tuple[dict, dict]:
     p = cache.params
     xp = namespace(dy, cache.context)
     check_array("dy", dy, 3, "(B, Lq, E_out)")
-    want = tuple(cache.context.shape[:2]) + (p["W_o"].shape[1],)
+    want = (*tuple(cache.context.shape[:2]), p["W_o"].shape[1])
     if tuple(dy.shape) != want:
         raise ValueError(f"dy must have the output's shape (B, Lq, E_out) = {want}; got {tuple(dy.shape)}")
     grads = {}

@@ -1,0 +1,147 @@
+"""The three Transformer flavors as concrete, seeded test cases for ``attngrad check``.
+
+A case holds parameters, inputs, an upstream gradient G (random, never all ones) and the
+masks as plain data, so that each reference can build the mask structure its own way.
+The scalar loss is L = sum(Y * G), so dL/dY = G.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+
+from ..core.masks import CAUSAL_ALIGNMENTS
+from ..layers.mha import init_mha_params, mha_forward
+
+FLAVORS = ("self", "cross", "causal")
+MASK_KINDS = ("padding", "random", "causal")
+DTYPES = ("float64", "float32")
+
+FLAVOR_TITLES = {
+    "self": "encoder self-attention  f(X)",
+    "cross": "encoder-decoder cross-attention  f(X, M): queries from X, keys/values from M",
+    "causal": "masked (causal) decoder self-attention  f(X)",
+}
+
+
+def _positive(name: str, value, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class CheckConfig:
+    """Sizes and options of a check run (the defaults are `attngrad check`'s)."""
+
+    flavors: tuple = FLAVORS
+    batch: int = 2  # B
+    heads: int = 2  # H
+    kv_heads: int | None = None  # Hkv (default H)
+    width: int = 8  # E
+    lq: int = 5  # Lq: decoder / query length (self and causal use it for both)
+    lk: int = 7  # Lk: encoder length for cross-attention
+    bias: bool = True
+    masks: tuple = ("padding",)
+    causal_align: str = "top_left"
+    dtype: str = "float64"
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        for f in self.flavors:
+            if f not in FLAVORS:
+                raise ValueError(f"flavor must be one of {', '.join(FLAVORS)} or all; got {f!r}")
+        _positive("batch", self.batch)
+        _positive("heads", self.heads)
+        _positive("width", self.width)
+        _positive("lq", self.lq)
+        _positive("lk", self.lk)
+        _positive("seed", self.seed, 0)
+        hkv = self.heads if self.kv_heads is None else _positive("kv_heads", self.kv_heads)
+        if self.heads % hkv:
+            raise ValueError(f"kv_heads must divide heads={self.heads}; got {hkv}")
+        if self.width % self.heads:
+            raise ValueError(f"heads must divide width={self.width}; got heads={self.heads}")
+        for m in self.masks:
+            if m not in MASK_KINDS:
+                raise ValueError(f"mask kind must be some of {', '.join(MASK_KINDS)} or none; got {m!r}")
+        if self.causal_align not in CAUSAL_ALIGNMENTS:
+            raise ValueError(
+                f"causal_align must be one of {', '.join(CAUSAL_ALIGNMENTS)}; got {self.causal_align!r}"
+            )
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.heads if self.kv_heads is None else self.kv_heads
+
+
+class MaskData(NamedTuple):
+    """Masks as plain data; each reference builds its own structure from it."""
+
+    key_lengths: np.ndarray | None  # (B,) ints: keys j < length attend
+    mask: np.ndarray | None  # (B, H, Lq, Lk) bool, True = attend
+    causal: str | None  # None, "top_left" or "bottom_right"
+
+
+class Case(NamedTuple):
+    flavor: str
+    params: dict  # W_q, W_k, W_v, W_o (+ b_q, b_k, b_v, b_o)
+    inputs: dict  # "X" (B, Lq, E) and, for cross-attention, "M" (B, Lk, E)
+    upstream: np.ndarray  # G = dL/dY, (B, Lq, E)
+    masks: MaskData
+    num_heads: int
+    num_kv_heads: int
+
+    def lengths(self) -> tuple[int, int]:
+        x = self.inputs["X"]
+        return x.shape[1], self.inputs.get("M", x).shape[1]
+
+    def forward(self, params=None, inputs=None):
+        """The library's closed-form forward: Y and its cache."""
+        params = self.params if params is None else params
+        inputs = self.inputs if inputs is None else inputs
+        return mha_forward(
+            params,
+            inputs["X"],
+            inputs.get("M"),
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            key_lengths=self.masks.key_lengths,
+            mask=self.masks.mask,
+            causal=self.masks.causal or False,
+        )
+
+
+def build_case(flavor: str, cfg: CheckConfig) -> Case:
+    """A seeded case of ``flavor`` at the sizes of ``cfg``."""
+    rng = np.random.default_rng([cfg.seed, FLAVORS.index(flavor)])
+    dt = np.dtype(cfg.dtype)
+    b, e = cfg.batch, cfg.width
+    lq = cfg.lq
+    lk = cfg.lk if flavor == "cross" else lq
+    params = init_mha_params(
+        e, cfg.heads, num_kv_heads=cfg.num_kv_heads, bias=cfg.bias, dtype=dt, rng=rng
+    )
+    inputs = {"X": rng.standard_normal((b, lq, e)).astype(dt)}
+    if flavor == "cross":
+        inputs["M"] = rng.standard_normal((b, lk, e)).astype(dt)
+    key_lengths = None
+    if "padding" in cfg.masks:
+        # the first sequence is full; the others are padded at random (0 allowed: a
+        # sequence whose keys are all padding gives rows with nothing to attend)
+        key_lengths = rng.integers(0, lk + 1, size=b)
+        key_lengths[0] = lk
+    mask = None
+    if "random" in cfg.masks:
+        mask = rng.random((b, cfg.heads, lq, lk)) < 0.7
+        mask[0, 0, 0, :] = False  # one query row with nothing to attend
+    causal = cfg.causal_align if (flavor == "causal" or "causal" in cfg.masks) else None
+    upstream = rng.standard_normal((b, lq, e)).astype(dt)
+    return Case(
+        flavor, params, inputs, upstream, MaskData(key_lengths, mask, causal), cfg.heads, cfg.num_kv_heads
+    )

@@ -1,0 +1,62 @@
+"""Text rendering of a :class:`CheckReport`: one table per flavor."""
+
+from __future__ import annotations
+
+from .cases import FLAVOR_TITLES, build_case
+from .runner import CheckReport
+
+PRETTY = {
+    "X": "dL/dX",
+    "M": "dL/dM",
+    **{f"{p}_{s}": f"dL/d{p}^{s.upper()}" for p in ("W", "b") for s in "qkvo"},
+}
+
+
+def _describe(report: CheckReport, flavor: str) -> str:
+    cfg = report.config
+    case = build_case(flavor, cfg)
+    lq, lk = case.lengths()
+    m = case.masks
+    masks = []
+    if m.key_lengths is not None:
+        masks.append(f"key padding (lengths {m.key_lengths.tolist()})")
+    if m.mask is not None:
+        masks.append("random boolean mask")
+    if m.causal is not None:
+        masks.append(f"causal ({m.causal})" if lq != lk else "causal")
+    return (
+        f"B={cfg.batch} H={cfg.heads} Hkv={cfg.num_kv_heads} E={cfg.width} Lq={lq} Lk={lk} "
+        f"{'with' if cfg.bias else 'no'} biases, {cfg.dtype}, masks: {', '.join(masks) or 'none'}"
+    )
+
+
+def format_report(report: CheckReport) -> str:
+    lines = []
+    head = f"{'gradient':<9} {'shape':<11} {'reference':<19} {'max abs err':>11} {'max rel err':>11}  {'tolerance':<42} result"
+    for flavor in report.config.flavors:
+        recs = [r for r in report.records if r.flavor == flavor]
+        lines.append(f"== {flavor}: {FLAVOR_TITLES[flavor]}")
+        lines.append(f"   {_describe(report, flavor)}")
+        lines.append(head)
+        lines.append("-" * len(head))
+        for r in recs:
+            shape = "(" + ",".join(map(str, r.shape)) + ")"
+            lines.append(
+                f"{PRETTY.get(r.gradient, r.gradient):<9} {shape:<11} {r.reference:<19} "
+                f"{r.max_abs_err:>11.2e} {r.max_rel_err:>11.2e}  {r.tolerance:<42} "
+                f"{'pass' if r.passed else 'FAIL'}"
+            )
+        lines.append("")
+    lines.append(
+        "max rel err = max|a - r| / max(max|r|, 1e-4 * largest gradient of the flavor); "
+        "dL/db^K is 0 in exact arithmetic (softmax ignores a shift of a whole score row)"
+    )
+    for note in report.notes:
+        lines.append(f"note: {note}")
+    n_fail = sum(not r.passed for r in report.records)
+    lines.append(
+        f"{'all passed' if report.passed else 'FAILED'}: {len(report.records) - n_fail} passed, "
+        f"{n_fail} failed ({len(report.records)} comparisons; torch "
+        f"{report.torch_version or 'not installed'})"
+    )
+    return "\n".join(lines)

@@ -1,0 +1,74 @@
+"""PyTorch autograd reference for ``attngrad check``.
+
+Independent of the library's forward: plain torch ops, and the mask structure built here
+from the case's plain data (index comparisons), not from ``attngrad.core.masks``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .cases import Case
+
+
+def torch_available() -> str | None:
+    """PyTorch's version, or None when it is not installed."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch.__version__
+
+
+def _allowed(torch, case: Case, lq: int, lk: int):
+    """(B, H, Lq, Lk) bool, True = attend, from the case's plain mask data."""
+    b, h = case.upstream.shape[0], case.num_heads
+    allowed = torch.ones((b, h, lq, lk), dtype=torch.bool)
+    m = case.masks
+    if m.key_lengths is not None:
+        lengths = torch.as_tensor(m.key_lengths)
+        allowed = allowed & (torch.arange(lk)[None, :] < lengths[:, None])[:, None, None, :]
+    if m.causal is not None:
+        offset = 0 if m.causal == "top_left" else lk - lq
+        allowed = allowed & (torch.arange(lk)[None, :] <= torch.arange(lq)[:, None] + offset)
+    if m.mask is not None:
+        allowed = allowed & torch.as_tensor(m.mask)
+    return allowed
+
+
+def torch_gradients(case: Case) -> dict[str, np.ndarray]:
+    """dL/d(every input and parameter) of L = sum(Y * G) by PyTorch autograd.
+
+    Computed in the case's dtype; keys "X", "M" (cross only) and the parameter names.
+    """
+    import torch
+
+    leaves = {k: torch.tensor(v, requires_grad=True) for k, v in {**case.inputs, **case.params}.items()}
+    x = leaves["X"]
+    mem = leaves.get("M", x)
+    h, hkv = case.num_heads, case.num_kv_heads
+    b, lq, _ = x.shape
+    lk = mem.shape[1]
+
+    def proj(inp, w, bias, heads):
+        y = inp @ leaves[w]
+        if bias in leaves:
+            y = y + leaves[bias]
+        return y.reshape(b, inp.shape[1], heads, -1).transpose(1, 2)  # (B, heads, L, d)
+
+    q = proj(x, "W_q", "b_q", h)  # (B, H, Lq, D)
+    k = proj(mem, "W_k", "b_k", hkv).repeat_interleave(h // hkv, dim=1)  # (B, H, Lk, D)
+    v = proj(mem, "W_v", "b_v", hkv).repeat_interleave(h // hkv, dim=1)  # (B, H, Lk, Dv)
+    s = (q @ k.transpose(-1, -2)) / np.sqrt(q.shape[-1])  # (B, H, Lq, Lk)
+    allowed = _allowed(torch, case, lq, lk)
+    row_any = allowed.any(dim=-1, keepdim=True)  # (B, H, Lq, 1)
+    # rows with nothing allowed: fill with 0 (finite), then zero the row after softmax
+    fill = torch.where(row_any, torch.tensor(-torch.inf, dtype=s.dtype), torch.tensor(0.0, dtype=s.dtype))
+    s = torch.where(allowed, s, fill)
+    p = torch.softmax(s, dim=-1) * row_any.to(s.dtype)  # (B, H, Lq, Lk)
+    o = (p @ v).transpose(1, 2).reshape(b, lq, -1)  # (B, Lq, H*Dv)
+    y = o @ leaves["W_o"]
+    if "b_o" in leaves:
+        y = y + leaves["b_o"]
+    (y * torch.tensor(case.upstream)).sum().backward()
+    return {k: t.grad.numpy() for k, t in leaves.items()}
