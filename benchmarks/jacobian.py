@@ -1,0 +1,110 @@
+"""Closed-form full Jacobians vs torch.func.jacrev, at a few small sizes.
+
+    OMP_NUM_THREADS=1 python benchmarks/jacobian.py [--repeats 15]
+
+For each size: attention d out/d q (attngrad.jacobian.sdpa_jacobian, built from the
+closed-form JVP (J1)-(J3) along all basis directions at once) and the layer's dY/dW^Q
+(mha_jacobian) against torch.func.jacrev of the same function in plain torch ops,
+float64, one thread.  The two are timed round-robin (A, B, A, B, ...) after a warm-up;
+the table gives medians and the ratio torch / attngrad.  Results are also checked to
+agree (max rel err), so a fast wrong answer cannot pass unnoticed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from attngrad import init_mha_params
+from attngrad.jacobian import mha_jacobian, sdpa_jacobian
+
+SIZES = [  # (B, H, L, D)
+    (1, 1, 4, 4),
+    (1, 2, 8, 8),
+    (2, 2, 8, 16),
+    (2, 4, 16, 16),
+]
+
+
+def torch_attention(q, k, v, lengths):
+    s = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    allowed = torch.arange(k.shape[2])[None, :] < lengths[:, None]  # (B, Lk)
+    s = s.masked_fill(~allowed[:, None, None, :], -torch.inf)
+    return torch.softmax(s, -1) @ v
+
+
+def torch_mha(wq, p, x, lengths, heads):
+    b, l, _ = x.shape
+
+    def proj(w, bias):
+        return (x @ w + bias).reshape(b, l, heads, -1).transpose(1, 2)
+
+    o = torch_attention(proj(wq, p["b_q"]), proj(p["W_k"], p["b_k"]), proj(p["W_v"], p["b_v"]), lengths)
+    return o.transpose(1, 2).reshape(b, l, -1) @ p["W_o"] + p["b_o"]
+
+
+def _rel(a, r):
+    return float(np.max(np.abs(a - r)) / np.max(np.abs(r)))
+
+
+def _round_robin(fns: dict, repeats: int) -> dict:
+    for f in fns.values():  # warm-up
+        f()
+    times = {n: [] for n in fns}
+    for _ in range(repeats):
+        for n, f in fns.items():
+            t0 = time.perf_counter()
+            f()
+            times[n].append(time.perf_counter() - t0)
+    return {n: statistics.median(t) for n, t in times.items()}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=15)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    rng = np.random.default_rng(0)
+    print(f"torch {torch.__version__}, numpy {np.__version__}, float64, 1 thread, medians of {args.repeats}")
+    print(f"{'what':<14} {'B,H,L,D':<12} {'J shape':<26} {'attngrad ms':>12} {'jacrev ms':>10} {'ratio':>7} {'rel err':>9}")
+    for b, h, l, d in SIZES:
+        q, k, v = (rng.standard_normal((b, h, l, d)) for _ in range(3))
+        lengths = np.full(b, l)
+        lengths[-1] = max(1, l // 2)
+        tq, tk, tv, tl = (torch.tensor(a) for a in (q, k, v, lengths))
+        fns = {
+            "attngrad": lambda q=q, k=k, v=v, lengths=lengths: sdpa_jacobian(q, k, v, "q", key_lengths=lengths),
+            "jacrev": lambda tq=tq, tk=tk, tv=tv, tl=tl: torch.func.jacrev(
+                lambda t: torch_attention(t, tk, tv, tl))(tq),
+        }
+        med = _round_robin(fns, args.repeats)
+        err = _rel(fns["attngrad"](), fns["jacrev"]().numpy())
+        shape = "x".join(map(str, (b, h, l, d, b, h, l, d)))
+        print(f"{'attn dO/dQ':<14} {f'{b},{h},{l},{d}':<12} {shape:<26} {1e3 * med['attngrad']:>12.3f} "
+              f"{1e3 * med['jacrev']:>10.3f} {med['jacrev'] / med['attngrad']:>6.1f}x {err:>9.1e}")
+        e = h * d
+        params = init_mha_params(e, h, rng=1)
+        x = rng.standard_normal((b, l, e))
+        tp = {n: torch.tensor(a) for n, a in params.items()}
+        tx = torch.tensor(x)
+        fns = {
+            "attngrad": lambda params=params, x=x, lengths=lengths, h=h: mha_jacobian(
+                params, x, wrt="W_q", num_heads=h, key_lengths=lengths),
+            "jacrev": lambda tp=tp, tx=tx, tl=tl, h=h: torch.func.jacrev(
+                lambda w, tp=tp, tx=tx, tl=tl, h=h: torch_mha(w, tp, tx, tl, h))(tp["W_q"]),
+        }
+        med = _round_robin(fns, args.repeats)
+        err = _rel(fns["attngrad"](), fns["jacrev"]().numpy())
+        shape = "x".join(map(str, (b, l, e, e, e)))
+        print(f"{'layer dY/dW^Q':<14} {f'{b},{h},{l},{d}':<12} {shape:<26} {1e3 * med['attngrad']:>12.3f} "
+              f"{1e3 * med['jacrev']:>10.3f} {med['jacrev'] / med['attngrad']:>6.1f}x {err:>9.1e}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

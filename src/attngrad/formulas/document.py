@@ -1,0 +1,130 @@
+"""The document ``attngrad derive`` prints: the catalogue of a flavor, rendered.
+
+Three formats: ``text`` (Unicode, for a terminal), ``markdown`` (GitHub: $$ display
+maths) and ``latex`` (a standalone amsmath document).  Every symbol used by a flavor's
+formulas is defined in its table at the top (the table is built by walking the formula
+trees, so it cannot miss one), and every notation (∘, rowsum, [A]_h, …) below it.
+"""
+
+from __future__ import annotations
+
+from .catalogue import FLAVOR_TITLES, FLAVORS, Catalogue, catalogue
+
+FORMATS = ("text", "markdown", "latex")
+
+NOTATION = (
+    ("A ∘ B", r"A \odot B", "elementwise (Hadamard) product"),
+    ("Aᵀ", r"A^{\top}", "transpose"),
+    ("rowsum(A)", r"\operatorname{rowsum}(A)", "the column vector of row sums of A"),
+    ("1", r"\mathbf{1}", "a column of ones: v 1ᵀ repeats column v, 1 bᵀ adds b to every row"),
+    ("[A]_h", r"[A]_h", "the columns of head h of A (block h of width D or Dv)"),
+    ("[A_1, …, A_H]", r"[A_1, \dots, A_H]", "the per-head blocks side by side (concatenation)"),
+    ("Σ_b", r"\sum_b", "sum over the sequences b of the batch (all other formulas are per sequence)"),
+    ("softmax_𝓜(S)", r"\operatorname{softmax}_{\mathcal{M}}(S)",
+     "P_ij = 𝓜_ij exp(S_ij − m_i) / Σ_k 𝓜_ik exp(S_ik − m_i), m_i the largest allowed S_ik; a row with no allowed key is 0"),
+    ("A[i,j]", r"A_{ij}", "element (i, j) of A"),
+)
+
+MASKS_AND_SCALE = {
+    "self": "Key padding enters only through 𝓜 in (A2): P_ij = 0 for padded keys j, hence dS_ij = 0 (A7), "
+            "so padded keys get dK = dV = 0 from every query. The scale s multiplies dQ and dK (A8, A9) "
+            "and not dV; s = 1/√D by default.",
+    "cross": "Encoder padding enters only through 𝓜 in (A2): padded encoder positions j get P_ij = 0, "
+             "so dS_ij = 0 and rows j of dK, dV (hence of dM through K and V) are 0. The scale s "
+             "multiplies dQ and dK (A8, A9) and not dV; s = 1/√D by default.",
+    "causal": "The causal structure enters only through 𝓜 in (A2): P_ij = 0 for j > i, so dS is lower "
+              "triangular; query i sends no gradient to later keys and values. A query row with no "
+              "allowed key (possible with Lq > Lk, top-left alignment) has O = 0 and gradient 0. "
+              "The scale s multiplies dQ and dK (A8, A9); s = 1/√D by default.",
+}
+
+_LATEX_PROSE = {
+    "δ": r"$\delta$", "𝓜": r"$\mathcal{M}$", "ᵀ": r"$^{\top}$", "∘": r"$\odot$", "…": r"\dots{}",
+    "−": "-", "√": r"$\surd$", "Σ": r"$\Sigma$", "≤": r"$\le$", "·": r"$\cdot$", "∂": r"$\partial$",
+    "_": r"\_", "^": r"\^{}", "&": r"\&", "%": r"\%", "#": r"\#",
+}
+
+
+def _prose_latex(text: str) -> str:
+    return "".join(_LATEX_PROSE.get(c, c) for c in text)
+
+
+def render(cat: Catalogue, fmt: str) -> str:
+    """One flavor's document in ``fmt`` (without the LaTeX preamble)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"format must be one of {', '.join(FORMATS)}; got {fmt!r}")
+    return {"text": _text, "markdown": _markdown, "latex": _latex}[fmt](cat)
+
+
+def derive_document(flavor: str = "all", fmt: str = "text") -> str:
+    """What ``attngrad derive --flavor FLAVOR --format FMT`` prints."""
+    if flavor != "all" and flavor not in FLAVORS:
+        raise ValueError(f"flavor must be one of {', '.join(FLAVORS)} or all; got {flavor!r}")
+    if fmt not in FORMATS:
+        raise ValueError(f"format must be one of {', '.join(FORMATS)}; got {fmt!r}")
+    flavors = FLAVORS if flavor == "all" else (flavor,)
+    body = "\n".join(render(catalogue(f), fmt) for f in flavors)
+    if fmt == "latex":
+        return (
+            "\\documentclass{article}\n\\usepackage{amsmath,amssymb}\n"
+            "\\usepackage[margin=2cm]{geometry}\n\\begin{document}\n" + body + "\\end{document}\n"
+        )
+    return body
+
+
+def _text(cat: Catalogue) -> str:
+    out = []
+    title = f"attngrad derive: {FLAVOR_TITLES[cat.flavor]}"
+    out += [title, "=" * len(title), ""]
+    out += ["Symbols (per sequence; shapes of one head where the name has _h)", "-" * 64]
+    w = max(len(s.txt) for s in cat.symbols.values())
+    for s in cat.symbols.values():
+        out.append(f"  {s.txt:<{w}}  {s.shape:<14}  {s.meaning}")
+    out += ["", "Notation", "--------"]
+    w = max(len(n) for n, _, _ in NOTATION)
+    out += [f"  {n:<{w}}  {m}" for n, _, m in NOTATION]
+    for sec in cat.sections:
+        out += ["", sec.title, "-" * len(sec.title), *_wrap_words(sec.intro), ""]
+        out += [f"  {f.tag:<6} {f.text()}" for f in sec.formulas]
+    out += ["", "Masks and scale", "---------------", *_wrap_words(MASKS_AND_SCALE[cat.flavor]), ""]
+    return "\n".join(out)
+
+
+def _wrap_words(text: str, width: int = 88) -> list:
+    lines, line = [], ""
+    for word in text.split():
+        if line and len(line) + 1 + len(word) > width:
+            lines.append(line)
+            line = word
+        else:
+            line = f"{line} {word}" if line else word
+    return [*lines, line] if line else lines
+
+
+def _markdown(cat: Catalogue) -> str:
+    out = [f"# attngrad derive: {FLAVOR_TITLES[cat.flavor]}", ""]
+    out += ["## Symbols", "", "Per sequence; shapes of one head where the name has _h.", ""]
+    out += ["| symbol | shape | meaning |", "|---|---|---|"]
+    out += [f"| ${s.tex}$ | {s.shape} | {s.meaning} |" for s in cat.symbols.values()]
+    out += ["", "## Notation", "", "| notation | meaning |", "|---|---|"]
+    out += [f"| ${t}$ | {m} |" for _, t, m in NOTATION]
+    for sec in cat.sections:
+        out += ["", f"## {sec.title}", "", sec.intro, ""]
+        out += [f"$$ {f.latex()} \\qquad \\text{{{f.tag}}} $$" for f in sec.formulas]
+    out += ["", "## Masks and scale", "", MASKS_AND_SCALE[cat.flavor], ""]
+    return "\n".join(out)
+
+
+def _latex(cat: Catalogue) -> str:
+    out = [f"\\section*{{attngrad derive: {_prose_latex(FLAVOR_TITLES[cat.flavor])}}}", ""]
+    out += ["\\subsection*{Symbols}", "Per sequence; shapes of one head where the name has \\_h.", ""]
+    out += ["\\begin{tabular}{lll}"]
+    out += [f"${s.tex}$ & {_prose_latex(s.shape)} & {_prose_latex(s.meaning)} \\\\" for s in cat.symbols.values()]
+    out += ["\\end{tabular}", "", "\\subsection*{Notation}", "\\begin{tabular}{ll}"]
+    out += [f"${t}$ & {_prose_latex(m)} \\\\" for _, t, m in NOTATION]
+    out += ["\\end{tabular}"]
+    for sec in cat.sections:
+        out += ["", f"\\subsection*{{{_prose_latex(sec.title)}}}", _prose_latex(sec.intro)]
+        out += [f"\\begin{{equation*}} {f.latex()} \\tag*{{{f.tag}}} \\end{{equation*}}" for f in sec.formulas]
+    out += ["", "\\subsection*{Masks and scale}", _prose_latex(MASKS_AND_SCALE[cat.flavor]), ""]
+    return "\n".join(out)

@@ -1,0 +1,134 @@
+"""The computation graph of a flavor, built from its catalogue, as Graphviz DOT.
+
+Forward edges (solid) run from each symbol on the right of a forward formula to its
+left side, labelled with that formula.  Each forward edge u -> v has a backward edge
+v -> u (dashed) labelled with the term of u's gradient formula that carries dv: the
+local gradient along that edge.  Nothing here is typed by hand: the labels are the
+catalogue's formulas, rendered as text.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+from .catalogue import FLAVOR_TITLES, FLAVORS, Catalogue, catalogue
+from .expr import Add, Expr
+
+GRAPH_FORMATS = ("dot", "svg", "png")
+_HEAD = ("Q_h", "K_h", "V_h", "S_h", "P_h", "O_h", "dQ_h")
+_STYLE = {
+    "input": 'shape=box, style="rounded,filled", fillcolor="#dbeafe"',
+    "param": 'shape=box, style="filled", fillcolor="#fef3c7"',
+    "const": 'shape=note, style="filled", fillcolor="#f3f4f6"',
+    "value": 'shape=ellipse, style="filled", fillcolor="#dcfce7"',
+    "loss": 'shape=doublecircle, style="filled", fillcolor="#fee2e2"',
+}
+
+
+class GraphvizError(RuntimeError):
+    """Graphviz's ``dot`` is missing or failed."""
+
+
+def _terms(e: Expr):
+    if isinstance(e, Add):
+        for c in e.children:
+            yield from _terms(c)
+    else:
+        yield e
+
+
+def _kind(name: str, cat: Catalogue, defined: set) -> str:
+    if name == "L":
+        return "loss"
+    if name in ("X", "M"):
+        return "input"
+    if name.startswith(("W_", "b_")):
+        return "param"
+    return "value" if name in defined else "const"
+
+
+def _quote(s: str) -> str:
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def graph_edges(cat: Catalogue):
+    """(forward, backward) edge lists: (u, v, label) with names of the catalogue's symbols."""
+    fwd_formulas = [f for sec in cat.sections if sec.key == "forward" for f in sec.formulas]
+    grad = {f.lhs.name: f for sec in cat.sections if sec.key == "backward" for f in sec.formulas}
+    forward, backward = [], []
+    for f in fwd_formulas:
+        v = f.lhs.name
+        for u in dict.fromkeys(s.name for s in f.rhs.symbols()):
+            forward.append((u, v, f"{f.tag} {f.text()}"))
+            g = grad.get("d" + u)
+            if g is None:
+                continue  # a constant (s, 𝓜, G): no gradient flows into it
+            terms = [t for t in _terms(g.rhs) if any(s.name == "d" + v for s in t.symbols())]
+            if not terms:  # dY = G: the loss edge
+                terms = [g.rhs]
+            label = f"{g.tag} {g.lhs.txt} += " if len(terms) < len(list(_terms(g.rhs))) else f"{g.tag} {g.lhs.txt} = "
+            backward.append((v, u, label + " + ".join(t.text() for t in terms)))
+    return forward, backward
+
+
+def graph_dot(flavor: str) -> str:
+    """The DOT source of one flavor's graph ("all": the three side by side)."""
+    flavors = FLAVORS if flavor == "all" else (flavor,)
+    if flavor != "all" and flavor not in FLAVORS:
+        raise ValueError(f"flavor must be one of {', '.join(FLAVORS)} or all; got {flavor!r}")
+    out = ["digraph attngrad {", '  rankdir=TB; newrank=true; fontname="Helvetica";',
+           '  node [fontname="Helvetica", fontsize=11]; edge [fontname="Helvetica", fontsize=9];',
+           '  label="attngrad graph: solid = forward (formula), dashed red = backward (local gradient)"; labelloc=t;']
+    for fl in flavors:
+        cat = catalogue(fl)
+        p = f"{fl}_" if len(flavors) > 1 else ""
+        forward, backward = graph_edges(cat)
+        defined = {v for _, v, _ in forward}
+        names = dict.fromkeys([u for u, _, _ in forward] + [v for _, v, _ in forward])
+        out.append(f"  subgraph cluster_{fl} {{ label={_quote(FLAVOR_TITLES[fl])};")
+        out.append(f'    subgraph cluster_{fl}_heads {{ label="for each head h = 1 … H"; style=dashed;')
+        for n in names:
+            if n in _HEAD:
+                out.append(f"      {_quote(p + n)} [label={_quote(cat.symbols[n].txt)}, {_STYLE[_kind(n, cat, defined)]}];")
+        out.append("    }")
+        for n in names:
+            if n not in _HEAD:
+                out.append(f"    {_quote(p + n)} [label={_quote(cat.symbols[n].txt)}, {_STYLE[_kind(n, cat, defined)]}];")
+        out.append("  }")
+        for u, v, label in forward:
+            out.append(f"  {_quote(p + u)} -> {_quote(p + v)} [label={_quote(label)}];")
+        for v, u, label in backward:
+            out.append(f'  {_quote(p + v)} -> {_quote(p + u)} [label={_quote(label)}, style=dashed, color="#dc2626", fontcolor="#dc2626", constraint=false];')
+    out.append("}")
+    return "\n".join(out) + "\n"
+
+
+def write_graph(flavor: str, path, fmt: str | None = None) -> list:
+    """Write the graph to ``path``; ``fmt`` (default: from the suffix) is dot, svg or png.
+
+    The DOT source is always written (beside the image, suffix .dot, for svg/png).
+    Returns the paths written.  svg/png need Graphviz's ``dot``: GraphvizError without it.
+    """
+    path = Path(path)
+    fmt = fmt or (path.suffix[1:].lower() if path.suffix[1:].lower() in GRAPH_FORMATS else "dot")
+    if fmt == "gv":
+        fmt = "dot"
+    if fmt not in GRAPH_FORMATS:
+        raise ValueError(f"format must be one of {', '.join(GRAPH_FORMATS)}; got {fmt!r}")
+    src = graph_dot(flavor)
+    dot_path = path if fmt == "dot" else path.with_suffix(".dot")
+    dot_path.write_text(src, encoding="utf-8")
+    if fmt == "dot":
+        return [dot_path]
+    exe = shutil.which("dot")
+    if exe is None:
+        raise GraphvizError(
+            f"writing {fmt.upper()} needs Graphviz's `dot` (Debian: apt-get install graphviz); "
+            f"the DOT source was written to {dot_path}"
+        )
+    res = subprocess.run([exe, f"-T{fmt}", str(dot_path), "-o", str(path)], capture_output=True, text=True, check=False)
+    if res.returncode != 0:
+        raise GraphvizError(f"dot failed on {dot_path}: {res.stderr.strip()}")
+    return [dot_path, path]

@@ -1,0 +1,36 @@
+"""Full Jacobians, forward mode (JVPs) and second order (HVPs) in closed form.
+
+- :func:`sdpa_jvp`, :func:`mha_jvp`: directional derivatives (J1)-(J5);
+- :func:`sdpa_jacobian`, :func:`mha_jacobian`: whole Jacobians (out.shape + arg.shape),
+  built from the JVPs, row or column convention;
+- :func:`sdpa_hvp`, :func:`mha_hvp`: Hessian-vector products (H1)-(H9) of a scalar loss.
+
+NumPy float64 throughout: these are references for checking, for small sizes.
+"""
+
+from .columns import (
+    jacobian_to_columns,
+    params_from_columns,
+    params_to_columns,
+    to_columns,
+    to_rows,
+)
+from .full import mha_jacobian, sdpa_jacobian
+from .hvp import AttnSecondOrder, LayerSecondOrder, mha_hvp, sdpa_hvp
+from .jvp import mha_jvp, sdpa_jvp
+
+__all__ = [
+    "AttnSecondOrder",
+    "LayerSecondOrder",
+    "jacobian_to_columns",
+    "mha_hvp",
+    "mha_jacobian",
+    "mha_jvp",
+    "params_from_columns",
+    "params_to_columns",
+    "sdpa_hvp",
+    "sdpa_jacobian",
+    "sdpa_jvp",
+    "to_columns",
+    "to_rows",
+]

@@ -1,0 +1,208 @@
+"""Forward mode in closed form: JVPs of attention (J1-J3) and of the layer (J4-J5).
+
+    (J1) Ṡ = s (Q̇ Kᵀ + Q K̇ᵀ)
+    (J2) Ṗ = P ∘ (Ṡ − rowsum(P ∘ Ṡ) 1ᵀ)          the softmax Jacobian applied to Ṡ, row by row
+    (J3) Ȯ = Ṗ V + P V̇
+    (J4) Q̇ = Ẋ_q W^Q + X_q Ẇ^Q + ḃ^Q             (likewise K, V; split into heads)
+    (J5) Ẏ = Ċ W^O + C Ẇ^O + ḃ^O,  Ċ = [Ȯ_1, …, Ȯ_H]
+
+Tangents may carry extra leading axes (a batch of directions): every operation here
+broadcasts over them, which is how ``attngrad.jacobian.full`` builds a whole Jacobian in
+one pass.  Masks come from the library's one rule, ``make_mask_spec(...).block``; masked
+entries have P = Ṗ = 0 and a query row with no key gives Ȯ = 0.  NumPy, float64.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+from ..core.masks import make_mask_spec
+from ..core.sdpa import masked_softmax, validate_qkv
+from ..layers.mha import check_params
+
+
+class AttnJVP(NamedTuple):
+    """Primal and tangent values of one attention call (heads expanded to H).
+
+    Memory: P and Ṗ are (..., B, H, Lq, Lk) each; K and V are repeated to H heads (the
+    Jacobian tools target small sizes)."""
+
+    q: np.ndarray  # (B, H, Lq, D)      rows with no key zeroed
+    k: np.ndarray  # (B, H, Lk, D)      repeated over the group, unused keys zeroed
+    v: np.ndarray  # (B, H, Lk, Dv)
+    tq: np.ndarray  # (..., B, H, Lq, D)
+    tk: np.ndarray  # (..., B, H, Lk, D)
+    tv: np.ndarray  # (..., B, H, Lk, Dv)
+    p: np.ndarray  # (B, H, Lq, Lk)
+    tp: np.ndarray  # (..., B, H, Lq, Lk)
+    out: np.ndarray  # (B, H, Lq, Dv)
+    tout: np.ndarray  # (..., B, H, Lq, Dv)
+    scale: float
+    group: int  # G = H / Hkv
+
+
+def _f64(name, a):
+    if not isinstance(a, np.ndarray):
+        raise TypeError(f"{name} must be a NumPy array; got {type(a).__name__}")
+    if a.dtype != np.float64:
+        raise TypeError(f"{name} must be float64 (the Jacobian tools are exact-arithmetic references); got {a.dtype}")
+    return a
+
+
+def _tangent(name, t, like):
+    """None -> zeros; otherwise float64 whose trailing axes are ``like``'s shape."""
+    if t is None:
+        return np.zeros_like(like)
+    _f64(name, t)
+    if t.shape[t.ndim - like.ndim:] != like.shape or t.ndim < like.ndim:
+        raise ValueError(f"tangent {name} must have shape (..., {', '.join(map(str, like.shape))}); got {t.shape}")
+    return t
+
+
+def attention_structure(q, k, v, *, mask=None, key_lengths=None, key_mask=None, causal=False, scale=None):
+    """Validated shapes, the allowed structure (B|1, H|1, Lq, Lk) bool or None, and the scale."""
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        _f64(name, a)
+    sh = validate_qkv(q, k, v)
+    spec = make_mask_spec(np, sh.batch, sh.heads, sh.lq, sh.lk, mask=mask, key_lengths=key_lengths,
+                          key_mask=key_mask, causal=causal)
+    if scale is None:
+        scale = 1.0 / math.sqrt(sh.d) if sh.d else 1.0
+    if not (isinstance(scale, int | float) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be finite and > 0; got {scale!r}")
+    return sh, spec.block(np), float(scale)
+
+
+def attention_jvp_parts(q, k, v, tq, tk, tv, allowed, scale) -> AttnJVP:
+    """(J1)-(J3) on validated inputs; ``allowed`` from :func:`attention_structure`."""
+    H, Hkv = q.shape[1], k.shape[1]
+    G = H // Hkv if Hkv else 1
+    primal_only = tq is None and tk is None and tv is None  # the closed-form Jacobians' case
+    tq, tk, tv = _tangent("tq", tq, q), _tangent("tk", tk, k), _tangent("tv", tv, v)
+    k, v = np.repeat(k, G, axis=1), np.repeat(v, G, axis=1)  # (B, H, Lk, D|Dv): head h uses kv head h // G
+    tk, tv = np.repeat(tk, G, axis=-3), np.repeat(tv, G, axis=-3)
+    if allowed is not None:  # structure, not value: unused keys and rows cannot reach the result
+        key_used = np.any(allowed, axis=-2)[..., None]  # (b, h, Lk, 1)
+        row_used = np.any(allowed, axis=-1)[..., None]  # (b, h, Lq, 1)
+        k, tk = np.where(key_used, k, 0.0), np.where(key_used, tk, 0.0)
+        v, tv = np.where(key_used, v, 0.0), np.where(key_used, tv, 0.0)
+        q, tq = np.where(row_used, q, 0.0), np.where(row_used, tq, 0.0)
+    kt = np.swapaxes(k, -1, -2)  # (B, H, D, Lk)
+    s = scale * (q @ kt)  # (A1) (B, H, Lq, Lk)
+    p = masked_softmax(np, s, allowed)  # (A2)
+    out = p @ v  # (A3) (B, H, Lq, Dv)
+    if primal_only:  # zero direction: every tangent is 0
+        return AttnJVP(q, k, v, tq, tk, tv, p, np.zeros_like(p), out, np.zeros_like(out), scale, G)
+    ts = scale * (tq @ kt + q @ np.swapaxes(tk, -1, -2))  # (J1) (..., B, H, Lq, Lk)
+    tp = p * (ts - np.sum(p * ts, axis=-1, keepdims=True))  # (J2)
+    tout = tp @ v + p @ tv  # (J3) (..., B, H, Lq, Dv)
+    return AttnJVP(q, k, v, tq, tk, tv, p, tp, out, tout, scale, G)
+
+
+def sdpa_jvp(q, k, v, tq=None, tk=None, tv=None, *, mask=None, key_lengths=None, key_mask=None,
+             causal=False, scale=None):
+    """Attention output and its directional derivative: ``(out, tout)``.
+
+    q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv), float64 NumPy; tangents of the
+    same shapes (None = 0), optionally with extra leading axes.  (J1)-(J3)."""
+    _, allowed, scale = attention_structure(q, k, v, mask=mask, key_lengths=key_lengths,
+                                            key_mask=key_mask, causal=causal, scale=scale)
+    r = attention_jvp_parts(q, k, v, tq, tk, tv, allowed, scale)
+    return r.out, r.tout
+
+
+# ----------------------------------------------------------------------------- layer
+
+
+def split_heads(x, heads: int):
+    """(..., B, L, heads*D) -> (..., B, heads, L, D)."""
+    *lead, l, hd = x.shape
+    return np.swapaxes(np.reshape(x, (*lead, l, heads, hd // heads)), -2, -3)
+
+
+def merge_heads(x):
+    """(..., B, heads, L, D) -> (..., B, L, heads*D)."""
+    *lead, h, l, d = x.shape
+    return np.reshape(np.swapaxes(x, -2, -3), (*lead, l, h * d))
+
+
+class LayerJVP(NamedTuple):
+    """Primal and tangent values of one layer call (what the layer HVP reuses)."""
+
+    sources: tuple  # (X_q, X_k, X_v) primal inputs, (B, L, ·)
+    tsources: tuple  # their tangents (..., B, L, ·)
+    attn: AttnJVP
+    context: np.ndarray  # C (B, Lq, H*Dv)
+    tcontext: np.ndarray  # Ċ (..., B, Lq, H*Dv)
+    y: np.ndarray  # (B, Lq, E_out)
+    ty: np.ndarray  # (..., B, Lq, E_out)
+
+
+SOURCE_ROLES = ("query", "key", "value")
+
+
+def layer_sources(query, key, value):
+    """Which argument feeds the query, key and value projections (as mha_forward)."""
+    k_role = "query" if key is None else "key"
+    v_role = k_role if value is None else "value"
+    given = {"query": query, "key": key, "value": value}
+    return ("query", k_role, v_role), tuple(given[r] for r in ("query", k_role, v_role))
+
+
+def _x_dw(x, tw):
+    """X Ẇ for a weight tangent (in, out) or a batch of them (..., in, out)."""
+    return x @ (tw if tw.ndim == 2 else tw[..., None, :, :])  # (..., B, L, out)
+
+
+def _db(tb):
+    """ḃ broadcast to (..., B, L, out)."""
+    return tb if tb.ndim == 1 else tb[..., None, None, :]
+
+
+def layer_jvp_parts(params, query, key=None, value=None, *, tangents=None, num_heads, num_kv_heads=None,
+                    mask=None, key_lengths=None, key_mask=None, causal=False, scale=None) -> LayerJVP:
+    """(J4), (J1)-(J3) per head, (J5).  ``tangents``: dict with some of the keys of
+    ``params`` and of the inputs ("query", "key", "value"); missing keys are 0."""
+    tangents = dict(tangents or {})
+    H, Hkv, _, _ = check_params(params, num_heads, num_kv_heads)
+    roles, srcs = layer_sources(query, key, value)
+    for name, a in (*zip(SOURCE_ROLES, (query, key, value), strict=True), *params.items()):
+        if a is not None:
+            _f64(name, a)
+    unknown = sorted(set(tangents) - set(params) - {r for r in SOURCE_ROLES if r in roles})
+    if unknown:
+        raise ValueError(f"tangents has keys {unknown} that are neither parameters nor inputs given; "
+                         f"expected some of {sorted(set(params) | set(roles))}")
+    t_in = {r: _tangent(r, tangents.get(r), a) for r, a in zip(roles, srcs, strict=True)}
+    tsrcs = tuple(t_in[r] for r in roles)
+    tp = {n: _tangent(n, tangents.get(n), a) for n, a in params.items()}
+    proj = []
+    for x, tx, n in zip(srcs, tsrcs, "qkv", strict=True):
+        w, b = params[f"W_{n}"], params.get(f"b_{n}")
+        y = x @ w if b is None else x @ w + b  # (M1)
+        ty = tx @ w + _x_dw(x, tp[f"W_{n}"]) + (_db(tp[f"b_{n}"]) if b is not None else 0.0)  # (J4)
+        proj.append((y, ty))
+    (q, tq), (k, tk), (v, tv) = proj
+    _, allowed, s = attention_structure(split_heads(q, H), split_heads(k, Hkv), split_heads(v, Hkv),
+                                        mask=mask, key_lengths=key_lengths, key_mask=key_mask,
+                                        causal=causal, scale=scale)
+    attn = attention_jvp_parts(split_heads(q, H), split_heads(k, Hkv), split_heads(v, Hkv),
+                               split_heads(tq, H), split_heads(tk, Hkv), split_heads(tv, Hkv), allowed, s)
+    c, tc = merge_heads(attn.out), merge_heads(attn.tout)  # (M3) (B, Lq, H*Dv)
+    wo, bo = params["W_o"], params.get("b_o")
+    y = c @ wo if bo is None else c @ wo + bo  # (M4)
+    ty = tc @ wo + _x_dw(c, tp["W_o"]) + (_db(tp["b_o"]) if bo is not None else 0.0)  # (J5)
+    return LayerJVP(srcs, tsrcs, attn, c, tc, y, ty)
+
+
+def mha_jvp(params, query, key=None, value=None, *, tangents=None, **kwargs):
+    """Layer output and its directional derivative ``(y, ty)`` (keywords as mha_forward).
+
+    ``tangents``: the direction, a dict with some of the parameter names and of "query",
+    "key", "value" (missing = 0); each may carry extra leading axes (many directions)."""
+    r = layer_jvp_parts(params, query, key, value, tangents=tangents, **kwargs)
+    return r.y, r.ty
+
