@@ -97,6 +97,14 @@ class MaskSpec:
             return False
         return True
 
+    def block_all_attend(self, q0: int, q1: int, k0: int, k1: int) -> bool:
+        """True when nothing masks any entry of the tile: no explicit mask, no key padding,
+        and the causal rule (if any) allows even its top-right corner (so a tiled path
+        needs no mask array for it)."""
+        if self.mask is not None or self.keys is not None:
+            return False
+        return self.causal is None or (k1 - 1) <= q0 + self.causal_offset
+
 
 def make_mask_spec(
     xp,
@@ -127,7 +135,8 @@ def make_mask_spec(
             raise ValueError(
                 f"mask of shape {shape} does not broadcast to (B, H, Lq, Lk) = {full}"
             )
-        norm_mask = xp.reshape(mask, (1,) * (4 - len(shape)) + shape)  # (b, h, lq, lk)
+        # xp.asarray: a mask of another library (NumPy for torch inputs, ...) becomes xp's
+        norm_mask = xp.reshape(xp.asarray(mask), (1,) * (4 - len(shape)) + shape)  # (b, h, lq, lk)
     if key_lengths is not None and key_mask is not None:
         raise ValueError("pass key_lengths or key_mask, not both")
     keys = None
@@ -144,7 +153,7 @@ def make_mask_spec(
             raise ValueError(
                 f"key_mask must have shape (B, Lk) = {(batch, lk)}; got {tuple(key_mask.shape)}"
             )
-        keys = key_mask
+        keys = xp.asarray(key_mask)
     return MaskSpec(batch, heads, lq, lk, norm_mask, keys, normalize_causal(causal, lq, lk))
 
 
@@ -153,6 +162,7 @@ def _keys_from_lengths(xp, key_lengths, batch: int, lk: int):
     if isinstance(key_lengths, list | tuple):
         key_lengths = xp.asarray(key_lengths)
     check_array("key_lengths", key_lengths)
+    key_lengths = xp.asarray(key_lengths)
     kind = dtype_name(key_lengths.dtype)
     if not (kind.startswith("int") or kind.startswith("uint")):
         raise TypeError(f"key_lengths must be integers; got dtype {kind}")

@@ -1,0 +1,142 @@
+"""Shared helpers of the attention tests: random cases, mask kinds as plain data, errors.
+
+Masks are produced here as plain data (bool arrays, lengths, a causal alignment); the
+library gets them as arguments and the oracle (tests/reference.py) builds its own
+structure from the same data.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from hypothesis import HealthCheck, settings
+
+from attngrad.check.finite_diff import ATOL, EPS, RTOL, gradcheck_close
+from attngrad.check.runner import REL_FLOOR, errors
+
+# Hypothesis: no deadline (the first call of a test pays for imports), a moderate number
+# of examples so the whole attention suite stays well under a minute on one thread.
+settings.register_profile(
+    "attngrad", deadline=None, max_examples=40, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile("attngrad-long", deadline=None, max_examples=500)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "attngrad"))
+
+REL_TOL = 1e-10  # closed form vs autograd / the reference, float64
+
+# Mask kinds of the parametrised grids: "+" combines parts by AND.
+MASK_KINDS = (
+    "none",
+    "bool",
+    "bool_bcast",
+    "bool_rows",
+    "key_lengths",
+    "key_mask",
+    "causal_top_left",
+    "causal_bottom_right",
+    "bool+key_lengths",
+    "key_mask+causal_top_left",
+    "key_lengths+causal_bottom_right",
+    "bool+key_mask+causal_bottom_right",
+    "bool_bcast+causal_top_left",
+)
+
+
+def mask_data(kind: str, rng: np.random.Generator, batch: int, heads: int, lq: int, lk: int) -> dict:
+    """Keyword arguments of one mask kind as plain data (see MASK_KINDS).
+
+    Random masks come with rows that have nothing to attend: the first (b, h) row of a
+    full bool mask, the last batch element's keys for key padding.
+    """
+    out = {}
+    for part in kind.split("+"):
+        if part == "none":
+            continue
+        if part == "bool":  # full (B, H, Lq, Lk)
+            m = rng.random((batch, heads, lq, lk)) < 0.6
+            if m.size:
+                m[0, 0, 0, :] = False
+            out["mask"] = m
+        elif part == "bool_bcast":  # (1, Lq, Lk): broadcast over batch and heads
+            out["mask"] = rng.random((1, lq, lk)) < 0.7
+        elif part == "bool_rows":  # (B, 1, Lq, 1): whole query rows on or off
+            m = rng.random((batch, 1, lq, 1)) < 0.7
+            if m.size:
+                m[0, 0, 0, 0] = False
+            out["mask"] = m
+        elif part == "key_lengths":  # full, partial, ..., empty
+            lengths = rng.integers(1, lk + 1, size=batch)
+            if batch:
+                lengths[0] = lk
+                lengths[-1] = 0
+            out["key_lengths"] = lengths
+        elif part == "key_mask":
+            km = rng.random((batch, lk)) < 0.6
+            if batch:
+                km[-1] = False
+            out["key_mask"] = km
+        elif part.startswith("causal_"):
+            out["causal"] = part.removeprefix("causal_")
+        else:
+            raise ValueError(f"unknown mask kind {part!r}")
+    return out
+
+
+def bias_array(kind, rng: np.random.Generator, batch: int, heads: int, lq: int, lk: int):
+    """None, a full (B, H, Lq, Lk) additive bias, or one broadcast along B and Lq: (H, 1, Lk)."""
+    if kind is None:
+        return None
+    if kind == "full":
+        return rng.standard_normal((batch, heads, lq, lk))
+    if kind == "bcast":
+        return rng.standard_normal((heads, 1, lk))
+    raise ValueError(f"unknown bias kind {kind!r}")
+
+
+def attention_inputs(rng, batch, heads, kv_heads, lq, lk, d, dv, dtype=np.float64) -> dict:
+    """Random q, k, v and an upstream gradient dout (never all ones)."""
+    return {
+        "q": rng.standard_normal((batch, heads, lq, d)).astype(dtype),
+        "k": rng.standard_normal((batch, kv_heads, lk, d)).astype(dtype),
+        "v": rng.standard_normal((batch, kv_heads, lk, dv)).astype(dtype),
+        "dout": rng.standard_normal((batch, heads, lq, dv)).astype(dtype),
+    }
+
+
+def assert_close_rel(got: dict, ref: dict, tol: float = REL_TOL, what: str = "") -> None:
+    """Every entry of ``ref`` matches ``got``: max|a - r| / max(max|r|, 1e-4 S) <= tol.
+
+    S is the largest |value| over all of ``ref`` (attngrad check's floor: a gradient that is
+    zero in exact arithmetic, such as dL/db_k, is measured against the case's scale).
+    """
+    scale = max((float(np.max(np.abs(r))) for r in ref.values() if np.size(r)), default=0.0)
+    assert set(got) >= set(ref), f"{what}: missing {sorted(set(ref) - set(got))}"
+    for name, r in ref.items():
+        a = np.asarray(got[name])
+        assert a.shape == np.shape(r), f"{what}{name}: shape {a.shape} != {np.shape(r)}"
+        assert np.all(np.isfinite(a)), f"{what}{name}: not finite"
+        abs_err, rel = errors(a, r, REL_FLOOR * scale)
+        assert rel <= tol, f"{what}{name}: max rel err {rel:.3e} > {tol:g} (max abs err {abs_err:.3e})"
+
+
+def assert_gradcheck(analytic, numeric, what: str = "") -> None:
+    """torch.autograd.gradcheck's criterion |a - n| <= atol + rtol |n| (atol 1e-5, rtol 1e-3)."""
+    a, n = np.asarray(analytic, dtype=np.float64), np.asarray(numeric, dtype=np.float64)
+    assert a.shape == n.shape, f"{what}: shape {a.shape} != {n.shape}"
+    worst = float(np.max(np.abs(a - n) - (ATOL + RTOL * np.abs(n)), initial=-np.inf))
+    assert gradcheck_close(a, n), f"{what}: gradcheck criterion exceeded by {worst:.3e}"
+
+
+def directional_check(loss, x: np.ndarray, grad: np.ndarray, rng, n_dirs: int = 3, what: str = ""):
+    """<grad, u> against the central difference (L(x + eps u) - L(x - eps u)) / 2 eps.
+
+    Random unit directions u (gradcheck's fast mode, JAX's check_vjp): cheap for large x.
+    """
+    x = np.array(x, dtype=np.float64)
+    for _ in range(n_dirs):
+        u = rng.standard_normal(x.shape)
+        u /= max(np.linalg.norm(u), 1e-300)
+        numeric = (loss(x + EPS * u) - loss(x - EPS * u)) / (2 * EPS)
+        analytic = float(np.sum(np.asarray(grad, dtype=np.float64) * u))
+        assert_gradcheck(analytic, numeric, what)

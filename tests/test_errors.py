@@ -1,0 +1,206 @@
+"""Every bad input raises ValueError/TypeError naming the argument, what was given and what
+was expected (each ``match`` below checks the name and at least one of the two)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from attngrad import (
+    init_mha_params,
+    mha_backward,
+    mha_forward,
+    params_from_torch,
+    params_to_torch,
+    sdpa_backward,
+    sdpa_forward,
+)
+
+B, H, HKV, LQ, LK, D, DV = 2, 4, 2, 3, 4, 3, 2
+rng = np.random.default_rng(0)
+Q = rng.standard_normal((B, H, LQ, D))
+K = rng.standard_normal((B, HKV, LK, D))
+V = rng.standard_normal((B, HKV, LK, DV))
+
+
+def _sdpa(**over):
+    args = {"q": Q, "k": K, "v": V, **over}
+    return sdpa_forward(args.pop("q"), args.pop("k"), args.pop("v"), **args)
+
+
+SDPA_ERRORS = [
+    # (arguments replaced, exception, message pattern)
+    ({"q": Q.tolist()}, TypeError, r"q must be an array .*got list"),
+    ({"q": Q[0]}, ValueError, r"q must have 4 dimensions \(B, H, Lq, D\); got shape \(4, 3, 3\)"),
+    ({"k": K[..., None]}, ValueError, r"k must have 4 dimensions \(B, Hkv, Lk, D\); got shape \(2, 2, 4, 3, 1\)"),
+    ({"v": V[0]}, ValueError, r"v must have 4 dimensions \(B, Hkv, Lk, Dv\); got shape"),
+    ({"q": Q.astype(np.int64)}, TypeError, r"q must have a real floating dtype .*; got int64"),
+    ({"k": K.astype(np.int32), "v": V.astype(np.int32)}, TypeError, r"k must have a real floating dtype .*; got int32"),
+    ({"v": V.astype(np.complex128)}, TypeError, r"v must have a real floating dtype .*; got complex128"),
+    ({"k": K.astype(np.float32)}, TypeError, r"k has dtype float32 but q has dtype float64"),
+    ({"v": V.astype(np.float32)}, TypeError, r"v has dtype float32 but q has dtype float64"),
+    ({"bias": np.zeros((LQ, LK), np.float32)}, TypeError, r"bias has dtype float32 but q has dtype float64"),
+    ({"bias": np.zeros((LQ, LK), np.int64)}, TypeError, r"bias must have a real floating dtype .*; got int64"),
+    ({"k": K[:1], "v": V[:1]}, ValueError, r"batch sizes differ: q has B=2, k has 1, v has 1"),
+    ({"k": K[..., :2]}, ValueError, r"k must have head dim D=3 like q; got k of shape \(2, 2, 4, 2\)"),
+    ({"v": V[:, :, :3]}, ValueError, r"v must have the heads and length of k, \(B, Hkv, Lk\) = \(2, 2, 4\); got v of shape \(2, 2, 3, 2\)"),
+    ({"q": Q[:, :3]}, ValueError, r"q's heads H=3 must be a multiple of k/v heads Hkv=2"),
+    ({"mask": np.ones((B, H, LQ, LK), np.int64)}, TypeError, r"mask must be boolean \(True = attend\); got dtype int64"),
+    ({"mask": np.ones((B, H, LQ, LK), np.uint8)}, TypeError, r"mask must be boolean \(True = attend\); got dtype uint8"),
+    ({"mask": np.zeros((LQ, LK))}, TypeError, r"mask must be boolean .*got dtype float64.*bias="),
+    ({"mask": np.ones((B, H, LQ, LK + 1), bool)}, ValueError, r"mask of shape \(2, 4, 3, 5\) does not broadcast to \(B, H, Lq, Lk\) = \(2, 4, 3, 4\)"),
+    ({"mask": np.ones((HKV, LQ, LK), bool)}, ValueError, r"mask of shape \(2, 3, 4\) does not broadcast to \(B, H, Lq, Lk\) = \(2, 4, 3, 4\)"),
+    ({"mask": np.ones((1, B, H, LQ, LK), bool)}, ValueError, r"mask of shape \(1, 2, 4, 3, 4\) does not broadcast to \(B, H, Lq, Lk\)"),
+    ({"mask": [[True] * LK] * LQ}, TypeError, r"mask must be an array .*got list"),
+    ({"key_mask": np.ones((B, LK), np.int64)}, TypeError, r"key_mask must be boolean \(True = key present\); got dtype int64"),
+    ({"key_mask": np.ones((B, LK + 1), bool)}, ValueError, r"key_mask must have shape \(B, Lk\) = \(2, 4\); got \(2, 5\)"),
+    ({"key_mask": np.ones((1, B, LK), bool)}, ValueError, r"key_mask must have shape \(B, Lk\) = \(2, 4\); got \(1, 2, 4\)"),
+    ({"key_lengths": np.array([1.0, 2.0])}, TypeError, r"key_lengths must be integers; got dtype float64"),
+    ({"key_lengths": np.array([True, False])}, TypeError, r"key_lengths must be integers; got dtype bool"),
+    ({"key_lengths": np.array([1, 2, 3])}, ValueError, r"key_lengths must have shape \(B,\) = \(2,\); got \(3,\)"),
+    ({"key_lengths": np.array([LK + 1, 0])}, ValueError, r"key_lengths must lie in \[0, Lk\] = \[0, 4\]; got \[5, 0\]"),
+    ({"key_lengths": [-1, 2]}, ValueError, r"key_lengths must lie in \[0, Lk\] = \[0, 4\]; got \[-1, 2\]"),
+    ({"key_lengths": [1, 2], "key_mask": np.ones((B, LK), bool)}, ValueError, r"pass key_lengths or key_mask, not both"),
+    ({"causal": True}, ValueError, r"causal=True is ambiguous when Lq \(3\) != Lk \(4\); pass causal='top_left'"),
+    ({"causal": "top-left"}, ValueError, r"causal must be False, True, 'top_left' or 'bottom_right'; got 'top-left'"),
+    ({"causal": 1.0}, ValueError, r"causal must be False, True, 'top_left' or 'bottom_right'; got 1.0"),
+    ({"scale": 0.0}, ValueError, r"scale must be finite and > 0; got 0.0"),
+    ({"scale": -0.5}, ValueError, r"scale must be finite and > 0; got -0.5"),
+    ({"scale": float("nan")}, ValueError, r"scale must be finite and > 0; got nan"),
+    ({"scale": float("inf")}, ValueError, r"scale must be finite and > 0; got inf"),
+    ({"scale": -np.inf}, ValueError, r"scale must be finite and > 0; got -inf"),
+    ({"scale": 0}, ValueError, r"scale must be finite and > 0; got 0.0"),
+    ({"scale": "0.5"}, TypeError, r"scale must be a real number; got str"),
+    ({"scale": True}, TypeError, r"scale must be a real number; got bool"),
+    ({"scale": np.array([0.5])}, TypeError, r"scale must be a real number; got ndarray"),
+    ({"bias": [[0.0] * LK] * LQ}, TypeError, r"bias must be an array .*got list"),
+    ({"bias": np.zeros((LQ, LK + 1))}, ValueError, r"bias of shape \(3, 5\) does not broadcast to \(B, H, Lq, Lk\) = \(2, 4, 3, 4\)"),
+    ({"bias": np.zeros((B, HKV, LQ, LK))}, ValueError, r"bias of shape \(2, 2, 3, 4\) does not broadcast to \(B, H, Lq, Lk\)"),
+]
+
+
+@pytest.mark.parametrize(("over", "exc", "match"), SDPA_ERRORS, ids=[m[:40] for _, _, m in SDPA_ERRORS])
+def test_sdpa_forward_refuses(over, exc, match):
+    inputs = {n: a.copy() for n, a in over.items() if isinstance(a, np.ndarray)}
+    with pytest.raises(exc, match=match):
+        _sdpa(**over)
+    for n, a in inputs.items():  # a refused input is not written into either
+        np.testing.assert_array_equal(over[n], a)
+
+
+def test_sdpa_backward_refuses():
+    _, cache = _sdpa()
+    good = np.ones((B, H, LQ, DV))
+    with pytest.raises(ValueError, match=r"dout must have the output's shape \(B, H, Lq, Dv\) = \(2, 4, 3, 2\); got \(2, 4, 3, 3\)"):
+        sdpa_backward(np.ones((B, H, LQ, DV + 1)), cache)
+    with pytest.raises(ValueError, match=r"dout must have 4 dimensions \(B, H, Lq, Dv\); got shape \(4, 3, 2\)"):
+        sdpa_backward(good[0], cache)
+    with pytest.raises(TypeError, match=r"dout must have a real floating dtype .*; got int64"):
+        sdpa_backward(good.astype(np.int64), cache)
+    with pytest.raises(TypeError, match=r"dout must be an array .*got list"):
+        sdpa_backward(good.tolist(), cache)
+
+
+# --- the multi-head layer
+
+E = 8
+PARAMS = init_mha_params(E, 2, rng=0)
+X = rng.standard_normal((B, LQ, E))
+MEM = rng.standard_normal((B, LK, E))
+
+
+def _mha(params=None, query=X, key=None, value=None, **kwargs):
+    kwargs.setdefault("num_heads", 2)
+    return mha_forward(PARAMS if params is None else params, query, key, value, **kwargs)
+
+
+def _with(**changes):
+    p = dict(PARAMS)
+    for name, value in changes.items():
+        if value is None:
+            del p[name]
+        else:
+            p[name] = value
+    return p
+
+
+MHA_ERRORS = [
+    ({"num_heads": 3}, ValueError, r"num_heads=3 must divide the width of W_q \(E, H\*D\); got W_q of shape \(8, 8\)"),
+    ({"num_heads": 0}, ValueError, r"num_heads must be a positive integer; got 0"),
+    ({"num_heads": 2.0}, ValueError, r"num_heads must be a positive integer; got 2.0"),
+    ({"num_heads": True}, ValueError, r"num_heads must be a positive integer; got True"),
+    ({"num_kv_heads": 3}, ValueError, r"num_kv_heads must be a positive divisor of num_heads=2; got 3"),
+    ({"num_kv_heads": 0}, ValueError, r"num_kv_heads must be a positive divisor of num_heads=2; got 0"),
+    ({"params": [1, 2]}, TypeError, r"params must be a mapping of arrays; got list"),
+    ({"params": _with(W_o=None)}, ValueError, r"params is missing weights \['W_o'\]"),
+    ({"params": {**PARAMS, "w_q": PARAMS["W_q"]}}, ValueError, r"params has unknown keys \['w_q'\]; expected some of"),
+    ({"params": _with(W_q=PARAMS["W_q"][None])}, ValueError, r"params\['W_q'\] must have 2 dimensions; got shape \(1, 8, 8\)"),
+    ({"params": _with(b_q=PARAMS["b_q"][None])}, ValueError, r"params\['b_q'\] must have 1 dimensions; got shape \(1, 8\)"),
+    ({"params": _with(W_k=PARAMS["W_k"][:, :6])}, ValueError, r"W_k must have shape \(kdim, Hkv\*D\) = \(kdim, 8\); got \(8, 6\)"),
+    ({"params": _with(W_o=PARAMS["W_o"][:6])}, ValueError, r"W_o must have shape \(H\*Dv, E\) = \(8, E\); got \(6, 8\)"),
+    ({"params": _with(b_v=PARAMS["b_v"][:5])}, ValueError, r"b_v must have shape \(8,\); got \(5,\)"),
+    ({"params": _with(W_q=PARAMS["W_q"].astype(np.float32))}, TypeError, r"W_q has dtype float32 but query has dtype float64"),
+    ({"params": _with(W_v=PARAMS["W_v"].astype(np.int64))}, TypeError, r"W_v must have a real floating dtype .*; got int64"),
+    ({"query": X[0]}, ValueError, r"query must have 3 dimensions \(B, L, E\); got shape \(3, 8\)"),
+    ({"query": X[..., :5]}, ValueError, r"query has feature size 5 but W_q expects 8 \(W_q has shape \(8, 8\)\)"),
+    ({"key": MEM[..., :5]}, ValueError, r"key has feature size 5 but W_k expects 8"),
+    ({"key": MEM, "value": MEM[..., :7]}, ValueError, r"value has feature size 7 but W_v expects 8"),
+    ({"key": MEM, "value": MEM[:, :3]}, ValueError, r"query, key and value must share B, and key and value share Lk; got shapes \(2, 3, 8\), \(2, 4, 8\), \(2, 3, 8\)"),
+    ({"key": MEM[:1]}, ValueError, r"query, key and value must share B"),
+    ({"query": X.astype(np.int64)}, TypeError, r"query must have a real floating dtype .*; got int64"),
+    ({"key": MEM.astype(np.float32)}, TypeError, r"key has dtype float32 but query has dtype float64"),
+    ({"mask": np.ones((LQ, LQ), np.int64)}, TypeError, r"mask must be boolean"),
+    ({"mask": np.ones((B, 3, LQ, LQ), bool)}, ValueError, r"mask of shape \(2, 3, 3, 3\) does not broadcast to \(B, H, Lq, Lk\) = \(2, 2, 3, 3\)"),
+    ({"key_lengths": [LQ, LQ + 1]}, ValueError, r"key_lengths must lie in \[0, Lk\] = \[0, 3\]"),
+    ({"key": MEM, "causal": True}, ValueError, r"causal=True is ambiguous when Lq \(3\) != Lk \(4\)"),
+    ({"scale": -1.0}, ValueError, r"scale must be finite and > 0; got -1.0"),
+]
+
+
+@pytest.mark.parametrize(("over", "exc", "match"), MHA_ERRORS, ids=[m[:40] for _, _, m in MHA_ERRORS])
+def test_mha_forward_refuses(over, exc, match):
+    with pytest.raises(exc, match=match):
+        _mha(**over)
+
+
+def test_mha_backward_refuses():
+    y, cache = _mha()
+    with pytest.raises(ValueError, match=r"dy must have the output's shape \(B, Lq, E_out\) = \(2, 3, 8\); got \(2, 3, 7\)"):
+        mha_backward(np.ones((B, LQ, E - 1)), cache)
+    with pytest.raises(ValueError, match=r"dy must have 3 dimensions \(B, Lq, E_out\); got shape \(3, 8\)"):
+        mha_backward(np.ones_like(y)[0], cache)
+
+
+def test_init_mha_params_refuses():
+    with pytest.raises(ValueError, match=r"num_heads=3 must divide embed_dim=8"):
+        init_mha_params(8, 3)
+    with pytest.raises(ValueError, match=r"num_kv_heads must divide num_heads=4; got 3"):
+        init_mha_params(8, 4, num_kv_heads=3)
+    with pytest.raises(ValueError, match=r"embed_dim and num_heads must be >= 1; got 0, 2"):
+        init_mha_params(0, 2)
+
+
+def test_torch_interop_refuses():
+    torch = pytest.importorskip("torch")
+    gqa = init_mha_params(8, 4, num_kv_heads=2, rng=0)
+    with pytest.raises(ValueError, match=r"torch.nn.MultiheadAttention needs H\*D = H\*Dv = E and Hkv = H; got W_q \(8, 8\), W_k \(8, 4\)"):
+        params_to_torch(gqa)
+    with pytest.raises(ValueError, match=r"state_dict must hold 'in_proj_weight' or 'q_proj_weight'.*got keys \['out_proj.weight'\]"):
+        params_from_torch({"out_proj.weight": torch.zeros(8, 8)})
+    with pytest.raises(ValueError, match=r"state_dict must hold 'out_proj.weight'; got keys \['in_proj_weight'\]"):
+        params_from_torch({"in_proj_weight": torch.zeros(24, 8)})
+    module = torch.nn.MultiheadAttention(8, 2, add_bias_kv=True)
+    with pytest.raises(ValueError, match=r"state_dict has 'bias_k' \(add_bias_kv=True\)"):
+        params_from_torch(module)
+
+
+def test_mixed_array_libraries_are_refused():
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match=r"k is a torch Tensor but q is a numpy ndarray; pass arrays of one library"):
+        _sdpa(k=torch.tensor(K))
+    with pytest.raises(TypeError, match=r"v is a numpy ndarray but q is a torch Tensor"):
+        _sdpa(q=torch.tensor(Q), k=torch.tensor(K))
+    with pytest.raises(TypeError, match=r"bias is a torch Tensor but q is a numpy ndarray"):
+        _sdpa(bias=torch.zeros(LQ, LK, dtype=torch.float64))
+    with pytest.raises(TypeError, match=r"W_q is a torch Tensor but query is a numpy ndarray"):
+        _mha(params=_with(W_q=torch.tensor(PARAMS["W_q"])))

@@ -1,0 +1,277 @@
+"""The multi-head layer, three flavors: every gradient vs torch autograd and finite differences,
+and vs torch.nn.MultiheadAttention through the state_dict import/export.
+
+  self    encoder self-attention f(X), key padding
+  cross   encoder-decoder cross-attention f(X, M): queries from X, keys/values from M
+          (also kdim/vdim != E, with separate key and value sources)
+  causal  masked decoder self-attention f(X)
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from attngrad import init_mha_params, mha_backward, mha_forward, params_from_torch, params_to_torch
+from attngrad.check.finite_diff import central_difference
+from attngrad.layers import key_mask_from_torch
+from conftest import assert_close_rel, assert_gradcheck, mask_data
+from reference import allowed_structure, torch_mha
+
+torch = pytest.importorskip("torch")
+
+E = 8  # model width
+B = 3
+BIAS_SETS = {"all": ("b_q", "b_k", "b_v", "b_o"), "none": (), "some": ("b_q", "b_o")}
+HEADS = [(1, 1), (2, 2), (4, 2)]  # (H, Hkv): H=4 over Hkv=2 is grouped-query attention
+
+MASKS = {
+    "self": ["none", "key_lengths", "key_mask", "bool"],
+    "cross": ["none", "key_lengths", "key_mask", "bool_rows", "causal_top_left", "causal_bottom_right", "bool+key_lengths"],
+    "causal": ["none", "key_lengths", "key_mask", "bool"],  # each AND causal=True
+}
+CROSS_SHAPES = [  # (Lq, Lk, kdim, vdim)
+    (3, 5, E, E),
+    (5, 3, E, E),
+    (4, 6, 5, 7),  # kdim, vdim != E: separate key and value sources
+]
+
+
+def _grid():
+    for flavor, bias, (h, hkv) in itertools.product(MASKS, BIAS_SETS, HEADS):
+        shapes = CROSS_SHAPES if flavor == "cross" else [(4, 4, E, E)]
+        for (lq, lk, kdim, vdim), masks in itertools.product(shapes, MASKS[flavor]):
+            yield pytest.param(flavor, bias, h, hkv, lq, lk, kdim, vdim, masks,
+                               id=f"{flavor}-bias_{bias}-H{h}_{hkv}-{lq}x{lk}-k{kdim}v{vdim}-{masks}")
+
+
+def build(flavor, bias, heads, kv_heads, lq, lk, kdim, vdim, mask_kind, seed=0, width=E):
+    """(params, inputs, keyword arguments, upstream gradient G, allowed structure)."""
+    rng = np.random.default_rng([seed, len(flavor), heads, kv_heads, lq, lk, kdim, vdim, len(mask_kind)])
+    params = init_mha_params(width, heads, kdim=kdim, vdim=vdim, num_kv_heads=kv_heads, bias=True, rng=rng)
+    params = {n: p for n, p in params.items() if n.startswith("W") or n in BIAS_SETS[bias]}
+    inputs = {"X": rng.standard_normal((B, lq, width))}
+    if flavor == "cross":
+        inputs["M"] = rng.standard_normal((B, lk, kdim))
+        if vdim != kdim:
+            inputs["V"] = rng.standard_normal((B, lk, vdim))
+    kwargs = mask_data(mask_kind, rng, B, heads, lq, lk)
+    if flavor == "causal":
+        kwargs["causal"] = True
+    causal = kwargs.get("causal")
+    plain = {**kwargs, "causal": "top_left" if causal is True else causal}
+    allowed = allowed_structure(B, heads, lq, lk, **plain)
+    upstream = rng.standard_normal((B, lq, width))
+    return params, inputs, {"num_heads": heads, "num_kv_heads": kv_heads, **kwargs}, upstream, allowed
+
+
+def closed_form(params, inputs, kwargs, upstream):
+    """Y and every gradient, named X, M, V and the parameter names."""
+    y, cache = mha_forward(params, inputs["X"], inputs.get("M"), inputs.get("V"), **kwargs)
+    dinputs, dparams = mha_backward(upstream, cache)
+    names = {"query": "X", "key": "M", "value": "V"}
+    return y, {**{names[k]: g for k, g in dinputs.items()}, **dparams}
+
+
+def autograd(params, inputs, kwargs, upstream, allowed):
+    leaves = {n: torch.tensor(a, requires_grad=True) for n, a in {**inputs, **params}.items()}
+    x = leaves["X"]
+    key = leaves.get("M", x)
+    value = leaves.get("V", key)
+    y = torch_mha(leaves, x, key, value, num_heads=kwargs["num_heads"],
+                  num_kv_heads=kwargs["num_kv_heads"], allowed=allowed)
+    (y * torch.tensor(upstream)).sum().backward()
+    return y.detach().numpy(), {n: t.grad.numpy() for n, t in leaves.items()}
+
+
+@pytest.mark.parametrize(("flavor", "bias", "heads", "kv_heads", "lq", "lk", "kdim", "vdim", "masks"), _grid())
+def test_every_gradient_matches_torch_autograd(flavor, bias, heads, kv_heads, lq, lk, kdim, vdim, masks):
+    params, inputs, kwargs, upstream, allowed = build(flavor, bias, heads, kv_heads, lq, lk, kdim, vdim, masks)
+    y, grads = closed_form(params, inputs, kwargs, upstream)
+    t_y, t_grads = autograd(params, inputs, kwargs, upstream, allowed)
+    assert set(grads) == set(t_grads) == {*inputs, *params}
+    assert_close_rel({"Y": y}, {"Y": t_y})
+    assert_close_rel(grads, t_grads)
+
+
+@pytest.mark.parametrize("flavor", ["self", "cross", "causal"])
+@pytest.mark.parametrize(("head_dim", "value_head_dim"), [(3, 5), (5, 2)])
+def test_head_dims_other_than_width_over_heads(flavor, head_dim, value_head_dim):
+    """H*D != E and Dv != D: W_q (E, H*D), W_v (vdim, Hkv*Dv), W_o (H*Dv, E)."""
+    rng = np.random.default_rng([head_dim, value_head_dim, len(flavor)])
+    params = init_mha_params(E, 4, num_kv_heads=2, head_dim=head_dim, value_head_dim=value_head_dim,
+                             kdim=6 if flavor == "cross" else None, rng=rng)
+    lq, lk = 4, (5 if flavor == "cross" else 4)
+    inputs = {"X": rng.standard_normal((B, lq, E))}
+    if flavor == "cross":
+        inputs["M"] = rng.standard_normal((B, lk, 6))
+    masks = {"key_lengths": np.array([lk, 2, 0])}
+    if flavor == "causal":
+        masks["causal"] = True
+    kwargs = {"num_heads": 4, "num_kv_heads": 2, **masks}
+    allowed = allowed_structure(B, 4, lq, lk, **{**masks, "causal": "top_left" if flavor == "causal" else None})
+    upstream = rng.standard_normal((B, lq, E))
+    y, grads = closed_form(params, inputs, kwargs, upstream)
+    t_y, t_grads = autograd(params, inputs, kwargs, upstream, allowed)
+    assert_close_rel({"Y": y, **grads}, {"Y": t_y, **t_grads})
+
+
+FD_CASES = [
+    ("self", "all", 2, 2, 3, 3, 4, 4, "key_lengths"),
+    ("self", "none", 2, 1, 3, 3, 4, 4, "bool"),
+    ("cross", "all", 2, 2, 2, 4, 4, 4, "key_mask"),
+    ("cross", "some", 2, 1, 3, 2, 3, 5, "causal_bottom_right"),
+    ("cross", "all", 2, 2, 4, 2, 4, 4, "key_lengths+causal_bottom_right"),
+    ("causal", "all", 2, 2, 4, 4, 4, 4, "key_lengths"),
+    ("causal", "some", 1, 1, 3, 3, 4, 4, "none"),
+]
+
+
+@pytest.mark.parametrize(("flavor", "bias", "heads", "kv_heads", "lq", "lk", "kdim", "vdim", "masks"), FD_CASES)
+def test_every_gradient_matches_central_differences(flavor, bias, heads, kv_heads, lq, lk, kdim, vdim, masks):
+    # width 4: finite differences cost two forwards per element
+    params, inputs, kwargs, upstream, _ = build(flavor, bias, heads, kv_heads, lq, lk, kdim, vdim, masks, 1, 4)
+    _, grads = closed_form(params, inputs, kwargs, upstream)
+    assert set(grads) == {*inputs, *params}
+    for name, value in {**inputs, **params}.items():
+
+        def loss(a, name=name):
+            p = {**params, name: a} if name in params else params
+            i = {**inputs, name: a} if name in inputs else inputs
+            y, _ = mha_forward(p, i["X"], i.get("M"), i.get("V"), **kwargs)
+            return float(np.sum(y * upstream))
+
+        assert_gradcheck(grads[name], central_difference(loss, value), what=f"d{name}")
+
+
+# --- torch.nn.MultiheadAttention: export, import, key_padding_mask
+
+
+def _torch_module(kdim, vdim, heads, bias, seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.MultiheadAttention(
+        E, heads, bias=bias, kdim=kdim, vdim=vdim, batch_first=True, dtype=torch.float64
+    )
+
+
+def _run_module(module, x, key, value, upstream, **kwargs):
+    leaves = [torch.tensor(a, requires_grad=True) for a in (x, key, value)]
+    if key is x:  # self-attention: one leaf feeds all three
+        leaves = [leaves[0]] * 3
+    elif value is key:
+        leaves[2] = leaves[1]
+    y, _ = module(*leaves, need_weights=False, **kwargs)
+    (y * torch.tensor(upstream)).sum().backward()
+    grads = {n: p.grad for n, p in module.named_parameters()}
+    return y.detach().numpy(), leaves, params_from_torch(grads)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize(("kdim", "vdim"), [(E, E), (5, 5), (3, 6)])
+@pytest.mark.parametrize("heads", [1, 2, 4])
+def test_export_to_torch_multihead_attention(bias, kdim, vdim, heads):
+    """params_to_torch loads into the module (in_proj_weight or q/k/v_proj_weight); same Y and grads."""
+    rng = np.random.default_rng([kdim, vdim, heads, bias])
+    params = init_mha_params(E, heads, kdim=kdim, vdim=vdim, bias=bias, rng=rng)
+    x = rng.standard_normal((B, 4, E))
+    key = rng.standard_normal((B, 5, kdim))
+    value = key if vdim == kdim else rng.standard_normal((B, 5, vdim))
+    upstream = rng.standard_normal((B, 4, E))
+    lengths = np.array([5, 3, 1])
+    module = _torch_module(kdim, vdim, heads, bias)
+    state = params_to_torch(params)
+    assert ("in_proj_weight" in state) == (kdim == vdim == E)
+    module.load_state_dict(state, strict=True)
+    kpm = torch.arange(5)[None, :] >= torch.as_tensor(lengths)[:, None]  # torch: True = ignore
+    t_y, leaves, t_pgrads = _run_module(module, x, key, value, upstream, key_padding_mask=kpm)
+
+    y, cache = mha_forward(params, x, key, None if value is key else value, num_heads=heads,
+                           key_mask=key_mask_from_torch(kpm))
+    dinputs, dparams = mha_backward(upstream, cache)
+    assert_close_rel({"Y": y}, {"Y": t_y})
+    assert_close_rel(dparams, t_pgrads)
+    want = {"query": leaves[0].grad.numpy(), "key": leaves[1].grad.numpy()}
+    if value is not key:
+        want["value"] = leaves[2].grad.numpy()
+    assert_close_rel(dinputs, want)
+    # the same mask as key_lengths gives the same result
+    y2, _ = mha_forward(params, x, key, None if value is key else value, num_heads=heads, key_lengths=lengths)
+    np.testing.assert_array_equal(y2, y)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize(("kdim", "vdim"), [(E, E), (3, 6)])
+@pytest.mark.parametrize("flavor", ["self", "causal"])
+def test_import_from_torch_multihead_attention(bias, kdim, vdim, flavor):
+    """params_from_torch(module) reproduces the module: Y and every gradient, with masks."""
+    heads = 2
+    self_attn = kdim == vdim == E
+    if not self_attn and flavor == "self":
+        flavor = "cross"
+    module = _torch_module(kdim, vdim, heads, bias, seed=kdim)
+    if bias:  # torch initialises its biases to 0: make them matter
+        with torch.no_grad():
+            module.in_proj_bias.normal_()
+            module.out_proj.bias.normal_()
+    params = params_from_torch(module)
+    assert set(params) == {"W_q", "W_k", "W_v", "W_o"} | ({"b_q", "b_k", "b_v", "b_o"} if bias else set())
+    rng = np.random.default_rng(kdim)
+    lq = 5
+    x = rng.standard_normal((B, lq, E))
+    key = x if self_attn else rng.standard_normal((B, lq, kdim))
+    value = x if self_attn else rng.standard_normal((B, lq, vdim))
+    upstream = rng.standard_normal((B, lq, E))
+    kwargs, theirs = {}, {}
+    if flavor == "causal":
+        kwargs["causal"] = True
+        theirs["attn_mask"] = ~torch.tril(torch.ones(lq, lq, dtype=torch.bool))  # True = masked
+    else:
+        lengths = np.array([lq, 2, 1])
+        kwargs["key_lengths"] = lengths
+        theirs["key_padding_mask"] = torch.arange(lq)[None, :] >= torch.as_tensor(lengths)[:, None]
+    t_y, leaves, t_pgrads = _run_module(module, x, key, value, upstream, **theirs)
+    y, cache = mha_forward(params, x, None if self_attn else key, None if self_attn else value,
+                           num_heads=heads, **kwargs)
+    dinputs, dparams = mha_backward(upstream, cache)
+    assert_close_rel({"Y": y}, {"Y": t_y})
+    assert_close_rel(dparams, t_pgrads)
+    if self_attn:
+        assert_close_rel(dinputs, {"query": leaves[0].grad.numpy()})
+    else:
+        assert_close_rel(dinputs, {n: t.grad.numpy() for n, t in zip(("query", "key", "value"), leaves, strict=True)})
+
+
+def test_state_dict_round_trip():
+    for kdim, vdim, bias in ((E, E, True), (3, 6, False), (5, 5, True)):
+        params = init_mha_params(E, 2, kdim=kdim, vdim=vdim, bias=bias, rng=kdim)
+        back = params_from_torch(params_to_torch(params))
+        assert back.keys() == params.keys()
+        for name in params:
+            np.testing.assert_array_equal(back[name], params[name])
+
+
+def test_key_mask_from_torch_inverts_polarity():
+    kpm = torch.tensor([[False, False, True], [True, True, True]])
+    km = key_mask_from_torch(kpm)
+    assert km.dtype == torch.bool
+    assert km.tolist() == [[True, True, False], [False, False, False]]
+    assert kpm.tolist() == [[False, False, True], [True, True, True]]  # not written into
+    with pytest.raises(TypeError, match="key_padding_mask must be boolean"):
+        key_mask_from_torch(kpm.to(torch.int64))
+
+
+@pytest.mark.parametrize("flavor", ["self", "cross", "causal"])
+def test_fully_padded_sequence_gives_zero_attention_and_finite_gradients(flavor):
+    """A batch element whose keys are all padding: its attention output is 0 (Y = b_o), no NaN."""
+    lq, lk = 4, (6 if flavor == "cross" else 4)
+    params, inputs, kwargs, upstream, _ = build(flavor, "all", 2, 2, lq, lk, E, E, "none")
+    kwargs["key_lengths"] = np.array([lk, 2, 0])
+    y, grads = closed_form(params, inputs, kwargs, upstream)
+    np.testing.assert_array_equal(y[2], np.broadcast_to(params["b_o"], y[2].shape))
+    for g in grads.values():
+        assert np.all(np.isfinite(g))
+    assert np.all(grads["X"][2] == 0.0)  # nothing reached the attention of batch element 2
+    if flavor == "cross":
+        assert np.all(grads["M"][2] == 0.0)
