@@ -1,0 +1,52 @@
+"""Elementwise activations (docs/training.md, G1-G4).
+
+    relu(x) = max(x, 0)                       dx = dy * [x > 0]                      (G1, G2)
+    gelu(x) = x/2 (1 + tanh(u)),  u = c (x + a x^3),  c = sqrt(2/pi), a = 0.044715   (G3)
+    dx = dy * (1/2 (1 + t) + x/2 (1 - t^2) c (1 + 3 a x^2)),  t = tanh(u)            (G4)
+
+GELU is the tanh form (PyTorch's ``gelu(approximate="tanh")``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+ACTIVATIONS = ("relu", "gelu")
+_C = math.sqrt(2.0 / math.pi)
+_A = 0.044715
+
+
+class ActivationCache(NamedTuple):
+    """What :func:`activation_backward` needs.  Memory: x, plus tanh(u) for GELU."""
+
+    kind: str
+    x: np.ndarray  # (...)  the input, by reference
+    t: np.ndarray | None  # (...)  tanh(u) for GELU, else None
+
+
+def check_activation(kind) -> str:
+    if kind not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {list(ACTIVATIONS)}; got {kind!r}")
+    return kind
+
+
+def activation_forward(x, kind: str = "relu"):
+    """Y = relu(X) or gelu(X), same shape."""
+    check_activation(kind)
+    if kind == "relu":
+        return np.maximum(x, 0), ActivationCache(kind, x, None)  # (G1)
+    t = np.tanh(_C * (x + _A * x * x * x))  # (G3)
+    return 0.5 * x * (1.0 + t), ActivationCache(kind, x, t)  # (G3)
+
+
+def activation_backward(dy, cache: ActivationCache):
+    """dX, same shape as dY."""
+    x = cache.x
+    if cache.kind == "relu":
+        return dy * (x > 0)  # (G2)  (a multiply: np.where is ~10x slower on a random mask)
+    t = cache.t
+    local = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _C * (1.0 + 3.0 * _A * x * x)  # (G4)
+    return dy * local  # (G4)

@@ -1,0 +1,118 @@
+"""AdamW, its learning-rate schedule and global-norm clipping (docs/training.md, O1-O6).
+
+    c = min(1, max_norm / (||g||_2 + 1e-6)),   g <- c g          (O1)  clipping, global norm
+    lr_t = lr * t / warmup                       for t <= warmup (O2)  linear warmup
+    lr_t = lr * (r + (1 - r) (1 + cos(pi s)) / 2), s = (t - warmup) / (T - warmup)   (O3)
+    theta <- theta (1 - lr_t wd)       (decoupled weight decay; matrices only)        (O4)
+    m <- m + (1 - b1)(g - m),   v <- b2 v + (1 - b2) g^2                              (O5)
+    theta <- theta - (lr_t / (1 - b1^t)) m / (sqrt(v) / sqrt(1 - b2^t) + eps)          (O6)
+
+Exactly the operations of ``torch.optim.AdamW`` (single-tensor path) and
+``torch.nn.utils.clip_grad_norm_``.  Pure functions: new dicts come back, inputs are
+never written into.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class AdamWConfig:
+    lr: float = 1e-3
+    beta1: float = 0.9
+    beta2: float = 0.98
+    eps: float = 1e-9
+    weight_decay: float = 0.01
+    warmup: int = 100
+    min_lr_ratio: float = 0.1
+    clip: float = 1.0  # max global gradient norm; 0 = no clipping
+
+    def __post_init__(self):
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"lr must be finite and > 0; got {self.lr!r}")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must be in [0, 1); got {getattr(self, name)!r}")
+        if not self.eps > 0:
+            raise ValueError(f"eps must be > 0; got {self.eps!r}")
+        if not self.weight_decay >= 0:
+            raise ValueError(f"weight_decay must be >= 0; got {self.weight_decay!r}")
+        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
+            raise ValueError(f"warmup must be an integer >= 0; got {self.warmup!r}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio must be in [0, 1]; got {self.min_lr_ratio!r}")
+        if not self.clip >= 0:
+            raise ValueError(f"clip must be >= 0 (0 = off); got {self.clip!r}")
+
+
+def lr_at(step: int, total: int, cfg: AdamWConfig) -> float:
+    """Learning rate of update number ``step`` (1-based) out of ``total`` (O2, O3)."""
+    if cfg.warmup and step <= cfg.warmup:
+        return cfg.lr * step / cfg.warmup  # (O2)
+    span = max(total - cfg.warmup, 1)
+    s = min(max(step - cfg.warmup, 0) / span, 1.0)
+    r = cfg.min_lr_ratio
+    return cfg.lr * (r + (1.0 - r) * 0.5 * (1.0 + math.cos(math.pi * s)))  # (O3)
+
+
+def global_norm(grads) -> float:
+    """sqrt of the sum of squares of every gradient entry (computed in float64)."""
+    return math.sqrt(sum(float(np.sum(np.square(g, dtype=np.float64))) for g in grads.values()))
+
+
+def clip_by_global_norm(grads, max_norm: float) -> tuple[dict, float]:
+    """(clipped gradients, norm before clipping) (O1).  max_norm = 0: no clipping."""
+    norm = global_norm(grads)
+    if not math.isfinite(norm):
+        raise FloatingPointError(f"gradient norm is {norm}; refusing to update")
+    if max_norm <= 0:
+        return dict(grads), norm
+    coef = min(1.0, max_norm / (norm + 1e-6))  # (O1)
+    if coef >= 1.0:
+        return dict(grads), norm
+    return {k: g * g.dtype.type(coef) for k, g in grads.items()}, norm  # (O1)
+
+
+def decays(name: str, value) -> bool:
+    """Weight decay applies to matrices (linear and attention weights, embeddings)."""
+    return value.ndim >= 2
+
+
+def adamw_init(params) -> dict:
+    """Optimizer state: step count t and the moments m, v (same keys as the parameters)."""
+    return {
+        "t": 0,
+        "m": {k: np.zeros_like(v) for k, v in params.items()},
+        "v": {k: np.zeros_like(v) for k, v in params.items()},
+    }
+
+
+def adamw_step(params, grads, state, *, lr: float, cfg: AdamWConfig) -> tuple[dict, dict]:
+    """One AdamW update (O4-O6).  Returns (new params, new state)."""
+    if grads.keys() != params.keys():
+        raise ValueError(
+            f"grads must have the keys of params; missing {sorted(set(params) - set(grads))}, "
+            f"unexpected {sorted(set(grads) - set(params))}"
+        )
+    t = state["t"] + 1
+    b1, b2 = cfg.beta1, cfg.beta2
+    bc1 = 1.0 - b1**t
+    bc2_sqrt = math.sqrt(1.0 - b2**t)
+    step_size = lr / bc1
+    new_p, new_m, new_v = {}, {}, {}
+    for k, p in params.items():
+        g = grads[k]
+        dt = p.dtype.type
+        if cfg.weight_decay and decays(k, p):
+            p = p * dt(1.0 - lr * cfg.weight_decay)  # (O4)
+        m = state["m"][k]
+        m = m + dt(1.0 - b1) * (g - m)  # (O5) lerp, as torch
+        v = state["v"][k] * dt(b2) + dt(1.0 - b2) * (g * g)  # (O5)
+        denom = np.sqrt(v) / dt(bc2_sqrt) + dt(cfg.eps)  # (O6)
+        new_p[k] = p - dt(step_size) * (m / denom)  # (O6)
+        new_m[k], new_v[k] = m, v
+    return new_p, {"t": t, "m": new_m, "v": new_v}

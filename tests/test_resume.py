@@ -1,0 +1,187 @@
+"""Kill-and-resume: a run killed (SIGKILL) at a random step, or in the middle of writing a
+checkpoint, then resumed, ends with exactly the losses, weights and optimizer state of an
+uninterrupted run, bit for bit."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from dataclasses import asdict
+
+import numpy as np
+import pytest
+
+from attngrad.train.checkpoint import list_checkpoints, load_checkpoint
+from attngrad.train.loop import TrainConfig, read_metrics, train
+
+CFG = TrainConfig(task="reverse", model="encdec", steps=24, batch_size=8, symbols=6, min_len=3, max_len=5,
+                  dim=16, heads=2, ffn=32, layers=1, dropout=0.1, warmup=4, eval_every=12, eval_size=16,
+                  ckpt_every=4, keep_ckpts=2, seed=3)
+
+DRIVER = textwrap.dedent(
+    """
+    import json, os, signal, sys
+    from attngrad.train.loop import Hooks, TrainConfig, train
+    cfg = TrainConfig(**json.loads(sys.argv[1]))
+    out, mode, arg, resume = sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5] == "1"
+    saves = [0]
+
+    def after_step(step):
+        if mode == "step" and step == int(arg):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def during_save(stage, path):
+        if mode == "save" and stage == arg:
+            saves[0] += 1
+            if saves[0] == 2:  # the second checkpoint write dies at this stage
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    train(cfg, out, resume="latest" if resume else None, progress=False, plots=False,
+          hooks=Hooks(after_step, during_save), log=lambda *a: None)
+    """
+)
+
+
+def _env():
+    src = os.path.join(os.path.dirname(__file__), "..", "src")
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.abspath(src)}
+
+
+def _drive(tmp_path, cfg, out, mode, arg, resume):
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER)
+    return subprocess.run([sys.executable, str(script), json.dumps(asdict(cfg)), str(out), mode, str(arg),
+                           "1" if resume else "0"], env=_env(), capture_output=True, text=True, timeout=120)
+
+
+def _final(out):
+    path = list_checkpoints(out)[-1]
+    arrays, state = load_checkpoint(path)
+    steps = {}
+    for rec in read_metrics(out / "metrics.jsonl"):
+        key = (rec["step"], "loss" in rec)
+        assert key not in steps, f"step {rec['step']} logged twice"
+        steps[key] = {k: v for k, v in rec.items() if k != "time"}
+    return arrays, state, steps
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ref")
+    train(CFG, out, progress=False, plots=False, log=lambda *a: None)
+    return _final(out)
+
+
+def _assert_same(out, reference, what):
+    arrays, state, steps = _final(out)
+    ref_arrays, ref_state, ref_steps = reference
+    assert state["step"] == ref_state["step"] == CFG.steps, what
+    assert state["data"] == ref_state["data"], what
+    assert steps == ref_steps, what  # every step's loss, lr, grad norm; every evaluation
+    assert arrays.keys() == ref_arrays.keys()
+    for k in arrays:  # parameters and both AdamW moments
+        assert arrays[k].tobytes() == ref_arrays[k].tobytes(), (what, k)
+
+
+def test_kill_at_random_step_then_resume(tmp_path, reference):
+    kill_at = random.SystemRandom().randint(1, CFG.steps - 1)
+    what = f"killed after step {kill_at}"
+    out = tmp_path / "run"
+    r = _drive(tmp_path, CFG, out, "step", kill_at, resume=False)
+    assert r.returncode == -signal.SIGKILL, (what, r.stderr)
+    if not list_checkpoints(out):  # killed before the first checkpoint: start over
+        assert kill_at < CFG.ckpt_every
+        r = _drive(tmp_path, CFG, out, "none", 0, resume=False)
+    else:
+        r = _drive(tmp_path, CFG, out, "none", 0, resume=True)
+    assert r.returncode == 0, (what, r.stderr)
+    _assert_same(out, reference, what)
+
+
+@pytest.mark.parametrize("stage", ["partial", "written", "replaced"])
+def test_kill_during_save_then_resume(tmp_path, reference, stage):
+    out = tmp_path / "run"
+    r = _drive(tmp_path, CFG, out, "save", stage, resume=False)
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    newest = list_checkpoints(out)[-1]
+    expect = 2 * CFG.ckpt_every if stage == "replaced" else CFG.ckpt_every
+    assert newest.name == f"ckpt-{expect:08d}.npz"
+    if stage != "replaced":
+        assert list(out.glob(".ckpt-*.tmp-*")), "the interrupted write should have left its temp file"
+    r = _drive(tmp_path, CFG, out, "none", 0, resume=True)
+    assert r.returncode == 0, r.stderr
+    _assert_same(out, reference, f"killed during save at {stage}")
+    assert not list(out.glob(".ckpt-*.tmp-*"))
+
+
+def test_cli_killed_from_outside_then_resumed(tmp_path, reference):
+    """The real command, SIGKILLed by another process whenever it happens to be, resumes
+    with ``--resume`` to the same bits."""
+    out = tmp_path / "run"
+    opts = ["--task", "reverse", "--model", "encdec", "--steps", "24", "--batch-size", "8", "--symbols", "6",
+            "--min-len", "3", "--max-len", "5", "--dim", "16", "--heads", "2", "--ffn", "32", "--layers", "1",
+            "--dropout", "0.1", "--warmup", "4", "--eval-every", "12", "--eval-size", "16",
+            "--ckpt-every", "4", "--keep-ckpts", "2", "--seed", "3"]
+    assert CFG == TrainConfig(task="reverse", model="encdec", steps=24, batch_size=8, symbols=6, min_len=3,
+                              max_len=5, dim=16, heads=2, ffn=32, layers=1, dropout=0.1, warmup=4,
+                              eval_every=12, eval_size=16, ckpt_every=4, keep_ckpts=2, seed=3)
+    cmd = [sys.executable, "-m", "attngrad", "train", *opts, "--out", str(out), "--quiet", "--no-plots"]
+    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while not list_checkpoints(out) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    r = subprocess.run([sys.executable, "-m", "attngrad", "train", "--out", str(out), "--resume", "--quiet",
+                        "--no-plots"], env=_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    _assert_same(out, reference, "CLI killed from outside")
+
+
+def test_resume_with_changed_option_refused(tmp_path):
+    out = tmp_path / "run"
+    r = _drive(tmp_path, CFG, out, "step", 5, resume=False)
+    assert r.returncode == -signal.SIGKILL
+    r = subprocess.run([sys.executable, "-m", "attngrad", "train", "--out", str(out), "--resume", "--lr", "0.5"],
+                       env=_env(), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "lr=0.5" in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_fresh_run_refuses_folder_with_checkpoints(tmp_path):
+    out = tmp_path / "run"
+    _drive(tmp_path, CFG, out, "step", 5, resume=False)
+    with pytest.raises(ValueError, match="--resume"):
+        train(CFG, out, progress=False, plots=False)
+
+
+def test_resume_from_damaged_newest_names_previous(tmp_path):
+    out = tmp_path / "run"
+    _drive(tmp_path, CFG, out, "step", 9, resume=False)
+    old, new = list_checkpoints(out)
+    new.write_bytes(new.read_bytes()[:100])
+    with pytest.raises(ValueError, match=f"refused.*--resume {old}"):
+        train(CFG, out, resume="latest", progress=False, plots=False)
+    res = train(CFG, out, resume=str(old), progress=False, plots=False, log=lambda *a: None)
+    assert res.step == CFG.steps
+    assert np.isfinite(res.eval["eval_exact"])
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [["--steps", "0"], ["--steps", "1.5"], ["--dropout", "1"], ["--lr", "nan"], ["--task", "add"],
+     ["--model", "gpt"], ["--no-plots", "False"], ["--heads", "3"], ["--min-len", "9", "--max-len", "4"]],
+)
+def test_cli_bad_options_exit_2_with_one_line(tmp_path, bad):
+    r = subprocess.run([sys.executable, "-m", "attngrad", "train", "--out", str(tmp_path / "o"), *bad],
+                       env=_env(), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+    assert not list_checkpoints(tmp_path / "o")
