@@ -11,7 +11,7 @@ import importlib
 import sys
 
 # Subcommand modules, in the order --help lists them.
-COMMANDS = ["check"]
+COMMANDS = ["check", "train", "bench", "derive", "graph"]
 
 
 class _Parser(argparse.ArgumentParser):

@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+import numpy as np
+
 from ._xp import Array, check_array, check_float_dtypes, check_scale, compute_dtype, namespace
 from .masks import MaskSpec, make_mask_spec
 
@@ -103,6 +105,10 @@ def sdpa_forward(
     causal=False,
     bias=None,
     scale=None,
+    impl="auto",
+    block_q=None,
+    block_k=None,
+    threads=None,
 ):
     """Attention forward.  Returns ``(out, cache)``; ``out`` is (B, H, Lq, Dv).
 
@@ -111,10 +117,22 @@ def sdpa_forward(
     key_mask (B, Lk) bool: key padding.  causal: False, True (Lq == Lk only), 'top_left'
     or 'bottom_right'.  bias: float, broadcastable to (B, H, Lq, Lk), added to the logits.
     scale: default 1/sqrt(D).  A query row with no key to attend gives 0.
+    impl: "dense" (keeps P, any array kind), "tiled" (O(N) memory, NumPy only; tiles of
+    block_q x block_k, on ``threads`` cores, default all) or "auto" (tiled for large NumPy
+    inputs, see :func:`attngrad.core.tiled.choose_impl`).
     """
+    from . import tiled  # tiled imports this module
+
+    if impl not in ("auto", "dense", "tiled"):
+        raise ValueError(f"impl must be 'auto', 'dense' or 'tiled'; got {impl!r}")
+    tiling = tiled.make_tiling(block_q, block_k, threads)
+    if impl == "dense" and (block_q, block_k, threads) != (None, None, None):
+        raise ValueError("block_q, block_k and threads apply to impl='tiled' or 'auto' only")
     sh = validate_qkv(q, k, v)
+    if bias is not None:
+        check_array("bias", bias)
+    dtype = check_float_dtypes({"q": q, "k": k, "v": v, "bias": bias})  # names a mixed-up argument
     xp = namespace(q, k, v, bias)
-    dtype = check_float_dtypes({"q": q, "k": k, "v": v, "bias": bias})
     if scale is None:
         scale = 1.0 / math.sqrt(sh.d) if sh.d else 1.0
     scale = check_scale(scale)
@@ -127,6 +145,12 @@ def sdpa_forward(
     q, k, v = (xp.astype(t, cdt) for t in (q, k, v))
     if bias is not None:
         bias = xp.astype(xp.reshape(bias, (1,) * (4 - len(bias_shape)) + bias_shape), cdt)
+    if impl == "auto":
+        impl = tiled.choose_impl(xp, sh)
+    if impl == "tiled":
+        if xp is not np:
+            raise TypeError("impl='tiled' takes NumPy arrays; use impl='dense' (or 'auto') for other kinds")
+        return tiled.tiled_forward(q, k, v, spec, bias, scale, sh, bias_shape, dtype, tiling)
     return _forward(xp, q, k, v, spec, bias, scale, sh, bias_shape, dtype)
 
 
@@ -180,6 +204,10 @@ def sdpa_backward(dout, cache: SDPACache) -> dict:
     Returns ``{"q": dQ, "k": dK, "v": dV}`` plus ``"bias": dBias`` (reduced to the bias's
     shape) when the forward had a bias.  Equations A4-A10 of docs/equations.md.
     """
+    from . import tiled
+
+    if isinstance(cache, tiled.TiledCache):
+        return tiled.tiled_backward(dout, cache)
     sh = cache.shape
     B, H, Hkv, Lq, Lk, D, Dv = sh
     G = sh.group

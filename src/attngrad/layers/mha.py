@@ -117,11 +117,13 @@ def mha_forward(
     key_mask=None,
     causal=False,
     scale=None,
+    impl="auto",
 ):
     """Multi-head attention.  Returns ``(y, cache)``, y of shape (B, Lq, E_out).
 
     query (B, Lq, E); key (B, Lk, kdim), default: query (self-attention); value
-    (B, Lk, vdim), default: key.  Masks as in :func:`attngrad.sdpa_forward`.
+    (B, Lk, vdim), default: key.  Masks and ``impl`` ("auto", "dense", "tiled") as in
+    :func:`attngrad.sdpa_forward`.
     """
     H, Hkv, _, _ = check_params(params, num_heads, num_kv_heads)
     key_src = query if key is None else key
@@ -148,7 +150,8 @@ def mha_forward(
     k = split_heads(xp, _linear(key_src, wk, bk), Hkv)  # (M1) (B, Hkv, Lk, D)
     v = split_heads(xp, _linear(value_src, wv, bv), Hkv)  # (M1) (B, Hkv, Lk, Dv)
     o, attn = sdpa_forward(
-        q, k, v, mask=mask, key_lengths=key_lengths, key_mask=key_mask, causal=causal, scale=scale
+        q, k, v, mask=mask, key_lengths=key_lengths, key_mask=key_mask, causal=causal, scale=scale,
+        impl=impl,
     )  # (M2) (B, H, Lq, Dv)
     c = merge_heads(xp, o)  # (M3) (B, Lq, H*Dv)
     y = _linear(c, wo, bo)  # (M4) (B, Lq, E_out)

@@ -1,0 +1,61 @@
+"""Round-robin timing: every contender runs once per round, in turn, so that load from
+other processes on a shared machine falls on all of them alike; medians are reported.
+
+Idle thread pools go to sleep (OpenBLAS after ~0.1 s of spinning, OpenMP likewise) and the
+first call after that pays to wake them, while a pool still spinning from the previous
+contender slows the next one.  So before each timed call the harness waits ``settle``
+seconds (the previous library's threads stop spinning) and then primes the contender's own
+library with a small GEMM (its threads are awake), which is not timed.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from .contenders import Step, library
+
+
+def _primer(lib: str) -> Callable[[], None]:
+    if lib == "torch":
+        import torch
+
+        a = torch.ones(256, 256)
+        return lambda: a @ a
+    a = np.ones((256, 256), dtype=np.float32)
+    return lambda: a @ a
+
+
+def time_round_robin(
+    steps: dict[str, Step], *, rounds: int, warmup: int = 1, settle: float = 0.15
+) -> dict[str, list[float]]:
+    """Seconds of each timed call of each step: ``warmup`` untimed rounds, then ``rounds``."""
+    primers = {name: _primer(library(name)) for name in steps}
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for r in range(warmup + rounds):
+        for name, step in steps.items():
+            gc.collect()
+            time.sleep(settle)
+            primers[name]()
+            t0 = time.perf_counter()
+            step()
+            dt = time.perf_counter() - t0
+            if r >= warmup:
+                times[name].append(dt)
+    return times
+
+
+def summarize(seconds: list[float]) -> dict:
+    """Median, min, max and spread ((max - min) / median) of a list of timings."""
+    a = np.asarray(seconds, dtype=float)
+    med = float(np.median(a))
+    return {
+        "median_s": med,
+        "min_s": float(a.min()),
+        "max_s": float(a.max()),
+        "spread": float((a.max() - a.min()) / med) if med > 0 else 0.0,
+        "runs": len(seconds),
+    }

@@ -1,0 +1,86 @@
+"""``attngrad bench``: forward + backward time and peak memory against PyTorch."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from ..bench import ATTENTION, LAYER, BenchConfig, format_bench, run_bench
+
+
+def _ints(text: str) -> tuple:
+    try:
+        values = tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        values = ()
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected a comma list of positive integers; got {text!r}")
+    return values
+
+
+def _names(table):
+    def parse(text: str) -> tuple:
+        names = tuple(t.strip() for t in text.split(",") if t.strip())
+        bad = [n for n in names if n not in table]
+        if bad or not names:
+            raise argparse.ArgumentTypeError(f"expected a comma list of {', '.join(table)}; got {text!r}")
+        return names
+
+    return parse
+
+
+def _causal(text: str) -> tuple:
+    table = {"no": (False,), "yes": (True,), "both": (False, True)}
+    if text not in table:
+        raise argparse.ArgumentTypeError(f"expected no, yes or both; got {text!r}")
+    return table[text]
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="time forward+backward of attngrad (dense, tiled) against torch SDPA and autograd",
+        description=(
+            "In one process, round-robin with warm-up, time forward + backward of torch "
+            "scaled_dot_product_attention (default CPU backend), torch naive autograd, "
+            "attngrad dense and attngrad tiled; report median time, GFLOP/s (12 N^2 D per "
+            "head, halved for causal), peak extra memory (each contender in a fresh process) "
+            "and the ratio to SDPA. Also the multi-head layer against torch.nn.MultiheadAttention."
+        ),
+    )
+    p.add_argument("--sizes", type=_ints, default=None, metavar="N[,N...]", help="sequence lengths (default 1024,4096; --quick: 256,1024)")
+    p.add_argument("--causal", type=_causal, default=(False, True), help="no, yes or both (default both)")
+    p.add_argument("--batch", type=int, default=1, metavar="B", help="batch size (default 1)")
+    p.add_argument("--heads", type=int, default=8, metavar="H", help="heads (default 8)")
+    p.add_argument("--head-dim", type=int, default=64, metavar="D", help="head dim (default 64)")
+    p.add_argument("--dtype", choices=["float32", "float64"], default="float32", help="dtype (default float32)")
+    p.add_argument("--threads", type=int, default=None, help="cores for every contender (default: all)")
+    p.add_argument("--block-q", type=int, default=None, help="tiled path: query rows per tile")
+    p.add_argument("--block-k", type=int, default=None, help="tiled path: keys per tile")
+    p.add_argument("--rounds", type=int, default=None, help="timed rounds (default 5; --quick: 2)")
+    p.add_argument("--contenders", type=_names(ATTENTION), default=tuple(ATTENTION), help=f"comma list of {', '.join(ATTENTION)} (default all)")
+    p.add_argument("--layer-contenders", type=_names(LAYER), default=("torch_mha", "attngrad_mha"), help=f"comma list of {', '.join(LAYER)}")
+    p.add_argument("--layer", action=argparse.BooleanOptionalAction, default=True, help="also bench the multi-head layer B=4 N=256 E=512 H=8 (default: on)")
+    p.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True, help="measure peak extra memory in fresh processes (default: on)")
+    p.add_argument("--timing", action=argparse.BooleanOptionalAction, default=True, help="time the contenders (default: on; --no-timing for a memory-only sweep)")
+    p.add_argument("--memory-max-dense-n", type=int, default=4096, metavar="N", help="largest N at which contenders that keep N x N are measured (default 4096)")
+    p.add_argument("--layer-shape", type=_ints, default=(4, 256, 512, 8), metavar="B,N,E,H", help="layer case (default 4,256,512,8)")
+    p.add_argument("--settle", type=float, default=0.15, metavar="S", help="seconds of idle before each timed call, so other thread pools stop spinning (default 0.15)")
+    p.add_argument("--quick", action="store_true", help="a short run: N=256,1024, 2 rounds")
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    sizes = args.sizes or ((256, 1024) if args.quick else (1024, 4096))
+    rounds = args.rounds if args.rounds is not None else (2 if args.quick else 5)
+    cfg = BenchConfig(
+        sizes=sizes, causal=args.causal, batch=args.batch, heads=args.heads,
+        head_dim=args.head_dim, dtype=args.dtype, threads=args.threads, block_q=args.block_q,
+        block_k=args.block_k, rounds=rounds, contenders=args.contenders,
+        memory=args.memory, timing=args.timing, memory_max_dense_n=args.memory_max_dense_n, layer=args.layer,
+        layer_contenders=args.layer_contenders, layer_shape=args.layer_shape, settle=args.settle,
+    )
+    result = run_bench(cfg)
+    print(json.dumps(result.to_json(), indent=2) if args.json else format_bench(result))
+    return 0

@@ -1,0 +1,99 @@
+"""Work split for the tiled attention path: Python threads over independent units of work.
+
+NumPy releases the GIL inside BLAS calls and large ufunc loops, so W Python threads that
+each run single-threaded BLAS keep W cores busy without oversubscription.  BLAS threads
+are limited with ``threadpoolctl`` (optional; without it BLAS keeps its own setting and
+the work runs on one Python thread, so that nothing is oversubscribed).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager, nullcontext
+
+_CONTROLLER = None
+_LOCK = threading.Lock()
+
+
+def available_cores() -> int:
+    """Cores this process may run on (the affinity mask where the OS gives one)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def check_threads(threads) -> int:
+    """None -> every available core; else a positive int, or ValueError/TypeError naming ``threads``."""
+    if threads is None:
+        return available_cores()
+    if isinstance(threads, bool) or not isinstance(threads, int):
+        raise TypeError(f"threads must be a positive integer or None; got {type(threads).__name__}")
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1 (or None for every core); got {threads}")
+    return threads
+
+
+def _controller():
+    """A cached threadpoolctl controller, or None when threadpoolctl is not installed."""
+    global _CONTROLLER
+    if _CONTROLLER is None:
+        try:
+            from threadpoolctl import ThreadpoolController
+        except ImportError:  # pragma: no cover - depends on the environment
+            _CONTROLLER = False
+        else:
+            _CONTROLLER = ThreadpoolController()
+    return _CONTROLLER or None
+
+
+@contextmanager
+def blas_threads(n: int):
+    """Limit BLAS to ``n`` threads inside the block (no-op without threadpoolctl)."""
+    ctl = _controller()
+    if ctl is None:
+        yield
+        return
+    with _LOCK:  # threadpoolctl changes process-wide state
+        limiter = ctl.limit(limits=n, user_api="blas")
+    try:
+        yield
+    finally:
+        with _LOCK:
+            limiter.restore_original_limits()
+
+
+def run_units(work: Callable[[int, int], None], n_units: int, threads: int) -> int:
+    """Call ``work(unit, worker)`` for every unit in ``range(n_units)``; returns the worker count.
+
+    With ``threads`` > 1 and at least two units, ``min(threads, n_units)`` Python threads
+    take units in order from a shared counter, BLAS single-threaded in each.  Otherwise
+    one thread runs them all and BLAS may use ``threads`` threads (large single GEMMs).
+    ``worker`` (0 <= worker < returned count) lets each worker own its scratch buffers.
+    """
+    workers = min(threads, n_units) if _controller() is not None else 1
+    if workers <= 1:
+        with blas_threads(threads) if _controller() is not None else nullcontext():
+            for u in range(n_units):
+                work(u, 0)
+        return 1
+    counter = iter(range(n_units))
+    take = threading.Lock()
+
+    def loop(worker: int) -> None:
+        while True:
+            with take:
+                u = next(counter, None)
+            if u is None:
+                return
+            work(u, worker)
+
+    with blas_threads(1), ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = [pool.submit(loop, w) for w in range(workers)]
+        for f in futures:
+            f.result()  # re-raises a worker's exception
+    return workers
+

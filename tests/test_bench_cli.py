@@ -1,0 +1,61 @@
+"""`attngrad bench`: runs end to end on a tiny case, JSON is complete, bad options exit 2.
+
+Timings are never asserted (the machine is shared); only the structure of the report.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from attngrad.bench import Case, measure
+from attngrad.cli.main import main
+
+pytest.importorskip("torch")
+
+
+def test_bench_json_has_every_contender(capsys):
+    argv = ["bench", "--json", "--sizes", "32", "--causal", "both", "--rounds", "1", "--threads", "1",
+            "--no-memory", "--settle", "0", "--layer-shape", "2,16,8,2",
+            "--layer-contenders", "torch_mha,attngrad_mha_tiled"]
+    assert main(argv) == 0
+    doc = json.loads(capsys.readouterr().out)
+    rows = doc["rows"]
+    attn = {(r["contender"], r["causal"]) for r in rows if r["kind"] == "attention"}
+    names = ("torch_sdpa", "torch_naive", "attngrad_dense", "attngrad_tiled")
+    assert attn == {(n, c) for n in names for c in (False, True)}
+    assert {r["contender"] for r in rows if r["kind"] == "layer"} == {"torch_mha", "attngrad_mha_tiled"}
+    for r in rows:
+        assert r["median_s"] > 0 and r["gflops"] > 0 and r["runs"] == 1
+        assert r["vs_reference"] > 0
+    assert doc["config"]["sizes"] == [32] and doc["config"]["layer_shape"] == [2, 16, 8, 2]
+
+
+def test_memory_is_measured_in_a_fresh_process():
+    case = Case(1, 2, 256, 16, "float32", False, threads=1)
+    tiled = measure(case, "attngrad_tiled")
+    assert tiled["method"] == "rss", tiled
+    assert tiled["peak_extra_bytes"] >= 0 and tiled["traced_peak_bytes"] > 0
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--sizes", "0"], ["--sizes", "x"], ["--causal", "maybe"], ["--contenders", "flash"], ["--dtype", "float16"]],
+)
+def test_bad_options_exit_2_with_one_line(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "error" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [(["--rounds", "0"], "rounds must be a positive integer"), (["--layer-shape", "1,2,3"], "layer_shape must be")],
+)
+def test_bad_config_value_is_one_line_exit_2(argv, message, capsys):
+    assert main(["bench", "--sizes", "8", "--no-memory", "--no-layer", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
