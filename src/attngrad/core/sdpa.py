@@ -17,6 +17,7 @@ import numpy as np
 
 from ._xp import Array, check_array, check_float_dtypes, check_scale, compute_dtype, namespace
 from .masks import MaskSpec, make_mask_spec
+from .parallel import exp_inplace
 
 
 class SDPAShape(NamedTuple):
@@ -41,7 +42,7 @@ class SDPACache(NamedTuple):
     zeroed).
     """
 
-    q: Array  # (B, Hkv, G*Lq, D)   queries grouped by key/value head, compute dtype
+    q: Array  # (B, Hkv, G*Lq, D)   scale * queries, grouped by key/value head, compute dtype
     k: Array  # (B, Hkv, Lk, D)     masked-out keys zeroed
     v: Array  # (B, Hkv, Lk, Dv)    masked-out values zeroed
     p: Array  # (B, Hkv, G*Lq, Lk)  probabilities, exactly 0 where masked
@@ -142,7 +143,7 @@ def sdpa_forward(
         xp, *full, mask=mask, key_lengths=key_lengths, key_mask=key_mask, causal=causal
     )
     cdt = compute_dtype(xp, dtype)
-    q, k, v = (xp.astype(t, cdt) for t in (q, k, v))
+    q, k, v = (xp.astype(t, cdt, copy=False) for t in (q, k, v))
     if bias is not None:
         bias = xp.astype(xp.reshape(bias, (1,) * (4 - len(bias_shape)) + bias_shape), cdt)
     if impl == "auto":
@@ -170,22 +171,24 @@ def _forward(xp, q, k, v, spec: MaskSpec, bias, scale, sh: SDPAShape, bias_shape
         lead = row_used.shape[:2]
         row_used = xp.reshape(xp.broadcast_to(row_used, (*lead, G, Lq, 1)), (*lead, G * Lq, 1))
         qg = xp.where(row_used, qg, xp.zeros((), dtype=qg.dtype))
-    s = scale * (qg @ xp.matrix_transpose(k))  # (A1) (B, Hkv, G*Lq, Lk)
+    qg = qg * scale  # scale folded into Q: an (L, D) pass instead of an (Lq, Lk) one
+    s = qg @ xp.matrix_transpose(k)  # (A1) (B, Hkv, G*Lq, Lk)
     s = xp.reshape(s, (B, Hkv, G, Lq, Lk))  # (B, Hkv, G, Lq, Lk)
     if bias is not None:
         s = s + _grouped5(xp, bias, sh)  # (A1)
-    p = masked_softmax(xp, s, allowed5)  # (A2) (B, Hkv, G, Lq, Lk)
+    p = masked_softmax(xp, s, allowed5, overwrite=True)  # (A2) (B, Hkv, G, Lq, Lk)
     p = xp.reshape(p, (B, Hkv, G * Lq, Lk))  # (B, Hkv, G*Lq, Lk)
     out = p @ v  # (A3) (B, Hkv, G*Lq, Dv)
     cache = SDPACache(qg, k, v, p, out, scale, sh, bias_shape, dtype)
     return xp.astype(xp.reshape(out, (B, H, Lq, Dv)), dtype), cache
 
 
-def masked_softmax(xp, s, allowed=None):
+def masked_softmax(xp, s, allowed=None, *, overwrite: bool = False):
     """Row softmax over the last axis with a boolean structure (True = attend).
 
     Max-subtracted, so logits of any finite magnitude give finite results; masked
     entries are exactly 0 and a row with nothing allowed is all 0 (never NaN).   (A2)
+    ``overwrite=True`` lets a NumPy ``s`` be used as the work buffer (it is clobbered).
     """
     if s.shape[-1] == 0:
         return s
@@ -193,9 +196,15 @@ def masked_softmax(xp, s, allowed=None):
         s = xp.where(allowed, s, xp.asarray(-math.inf, dtype=s.dtype))
     m = xp.max(s, axis=-1, keepdims=True)  # (..., 1) row max
     m = xp.where(xp.isfinite(m), m, xp.zeros((), dtype=m.dtype))  # empty rows: -inf -> 0
-    e = xp.exp(s - m)  # masked: exp(-inf) = 0
+    if xp is np and (overwrite or allowed is not None):  # s is ours: work in place
+        e = exp_inplace(np.subtract(s, m, out=s))  # masked: exp(-inf) = 0
+    else:
+        e = xp.exp(s - m)  # masked: exp(-inf) = 0
     z = xp.sum(e, axis=-1, keepdims=True)  # (..., 1)
-    return e / xp.where(z > 0, z, xp.ones((), dtype=z.dtype))
+    z = xp.where(z > 0, z, xp.ones((), dtype=z.dtype))
+    if xp is np:
+        return np.divide(e, z, out=e)
+    return e / z
 
 
 def sdpa_backward(dout, cache: SDPACache) -> dict:
@@ -220,21 +229,23 @@ def sdpa_backward(dout, cache: SDPACache) -> dict:
     xp = namespace(dout, cache.p)
     check_float_dtypes({"dout": dout})
     p, out, qg, k, v = cache.p, cache.out, cache.q, cache.k, cache.v
-    do = xp.reshape(xp.astype(dout, p.dtype), (B, Hkv, G * Lq, Dv))  # (B, Hkv, G*Lq, Dv)
+    do = xp.reshape(xp.astype(dout, p.dtype, copy=False), (B, Hkv, G * Lq, Dv))  # (B, Hkv, G*Lq, Dv)
     dv = xp.matrix_transpose(p) @ do  # (A4) (B, Hkv, Lk, Dv), summed over the group
     dp = do @ xp.matrix_transpose(v)  # (A5) (B, Hkv, G*Lq, Lk)
     delta = xp.sum(do * out, axis=-1, keepdims=True)  # (A6) (B, Hkv, G*Lq, 1)
-    ds = p * (dp - delta)  # (A7) (B, Hkv, G*Lq, Lk)
+    dp -= delta
+    ds = dp
+    ds *= p  # (A7) dS = P * (dP - delta), in dP's buffer  (B, Hkv, G*Lq, Lk)
     dq = cache.scale * (ds @ k)  # (A8) (B, Hkv, G*Lq, D)
-    dk = cache.scale * (xp.matrix_transpose(ds) @ qg)  # (A9) (B, Hkv, Lk, D)
+    dk = xp.matrix_transpose(ds) @ qg  # (A9) scale already in the cached Q  (B, Hkv, Lk, D)
     grads = {
-        "q": xp.astype(xp.reshape(dq, (B, H, Lq, D)), cache.dtype),
-        "k": xp.astype(dk, cache.dtype),
-        "v": xp.astype(dv, cache.dtype),
+        "q": xp.astype(xp.reshape(dq, (B, H, Lq, D)), cache.dtype, copy=False),
+        "k": xp.astype(dk, cache.dtype, copy=False),
+        "v": xp.astype(dv, cache.dtype, copy=False),
     }
     if cache.bias_shape is not None:
         ds4 = xp.reshape(ds, (B, H, Lq, Lk))
-        grads["bias"] = xp.astype(reduce_to_shape(xp, ds4, cache.bias_shape), cache.dtype)  # (A10)
+        grads["bias"] = xp.astype(reduce_to_shape(xp, ds4, cache.bias_shape), cache.dtype, copy=False)  # (A10)
     return grads
 
 

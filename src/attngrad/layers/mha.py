@@ -88,7 +88,9 @@ def check_params(params, num_heads: int, num_kv_heads: int | None = None) -> tup
 
 
 def _linear(x, w, b):
-    y = x @ w  # (B, L, in) @ (in, out) -> (B, L, out)
+    """(B, L, in) @ (in, out) -> (B, L, out), as one 2-D GEMM (faster than a batched one)."""
+    n_b, n_l, n_in = x.shape
+    y = (x.reshape(n_b * n_l, n_in) @ w).reshape(n_b, n_l, w.shape[1])  # (B, L, out)
     return y if b is None else y + b
 
 
