@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import attngrad.core.tiled as tiled_mod
 from attngrad import init_mha_params, mha_backward, mha_forward, sdpa_backward, sdpa_forward
 from attngrad.core.masks import make_mask_spec
 from attngrad.core.sdpa import SDPACache
@@ -150,11 +151,13 @@ def test_repeated_runs_are_bitwise_identical_and_inputs_untouched():
         np.testing.assert_array_equal(inp[name], before[name])
 
 
-def test_auto_picks_by_size_and_array_kind():
+def test_auto_picks_by_size_and_array_kind(monkeypatch):
+    assert AUTO_TILED_MIN_ENTRIES == 1 << 24  # the documented switch: P of 64 MB in float32
+    monkeypatch.setattr(tiled_mod, "AUTO_TILED_MIN_ENTRIES", 1 << 12)  # keep the test small
     rng = np.random.default_rng(9)
     small = attention_inputs(rng, 1, 1, 1, 8, 8, 4, 4)
     assert isinstance(sdpa_forward(small["q"], small["k"], small["v"])[1], SDPACache)
-    n = int(np.sqrt(AUTO_TILED_MIN_ENTRIES)) + 1
+    n = int(np.sqrt(1 << 12)) + 1
     big = attention_inputs(rng, 1, 1, 1, n, n, 2, 2, np.float32)
     assert isinstance(sdpa_forward(big["q"], big["k"], big["v"])[1], TiledCache)
     assert isinstance(sdpa_forward(big["q"], big["k"], big["v"], impl="dense")[1], SDPACache)
