@@ -220,14 +220,8 @@ def sdpa_backward(dout, cache: SDPACache) -> dict:
     sh = cache.shape
     B, H, Hkv, Lq, Lk, D, Dv = sh
     G = sh.group
-    check_array("dout", dout, 4, "(B, H, Lq, Dv)")
-    if tuple(dout.shape) != (B, H, Lq, Dv):
-        raise ValueError(
-            f"dout must have the output's shape (B, H, Lq, Dv) = {(B, H, Lq, Dv)}; "
-            f"got {tuple(dout.shape)}"
-        )
+    check_dout(dout, sh)
     xp = namespace(dout, cache.p)
-    check_float_dtypes({"dout": dout})
     p, out, qg, k, v = cache.p, cache.out, cache.q, cache.k, cache.v
     do = xp.reshape(xp.astype(dout, p.dtype, copy=False), (B, Hkv, G * Lq, Dv))  # (B, Hkv, G*Lq, Dv)
     dv = xp.matrix_transpose(p) @ do  # (A4) (B, Hkv, Lk, Dv), summed over the group
@@ -247,6 +241,17 @@ def sdpa_backward(dout, cache: SDPACache) -> dict:
         ds4 = xp.reshape(ds, (B, H, Lq, Lk))
         grads["bias"] = xp.astype(reduce_to_shape(xp, ds4, cache.bias_shape), cache.dtype, copy=False)  # (A10)
     return grads
+
+
+def check_dout(dout, sh: SDPAShape) -> None:
+    """dOut must be a floating array of the output's shape (B, H, Lq, Dv)."""
+    want = (sh.batch, sh.heads, sh.lq, sh.dv)
+    check_array("dout", dout, 4, "(B, H, Lq, Dv)")
+    if tuple(dout.shape) != want:
+        raise ValueError(
+            f"dout must have the output's shape (B, H, Lq, Dv) = {want}; got {tuple(dout.shape)}"
+        )
+    check_float_dtypes({"dout": dout})
 
 
 def reduce_to_shape(xp, g, shape: tuple):

@@ -22,10 +22,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ._xp import Array, check_array, check_float_dtypes
+from ._xp import Array
 from .masks import MaskSpec
 from .parallel import check_threads, run_units
-from .sdpa import SDPAShape, reduce_to_shape
+from .sdpa import SDPAShape, check_dout, reduce_to_shape
 
 DEFAULT_BLOCK_Q = 256
 DEFAULT_BLOCK_K = 256
@@ -223,15 +223,9 @@ def tiled_backward(dout, cache: TiledCache) -> dict:
     sh = cache.shape
     B, H, Hkv, Lq, Lk, D, Dv = sh
     G = sh.group
-    check_array("dout", dout, 4, "(B, H, Lq, Dv)")
-    if tuple(dout.shape) != (B, H, Lq, Dv):
-        raise ValueError(
-            f"dout must have the output's shape (B, H, Lq, Dv) = {(B, H, Lq, Dv)}; "
-            f"got {tuple(dout.shape)}"
-        )
+    check_dout(dout, sh)
     if not isinstance(dout, np.ndarray):
         raise TypeError(f"dout must be a NumPy array for the tiled path; got {type(dout).__name__}")
-    check_float_dtypes({"dout": dout})
     q, k, v, out, spec, bias, scale = cache.q, cache.k, cache.v, cache.out, cache.spec, cache.bias, cache.scale
     cdt = q.dtype
     do_all = dout.astype(cdt, copy=False)  # (B, H, Lq, Dv)
