@@ -7,6 +7,7 @@ an optional dependency.  Every function returns the kind of array it was given.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -98,11 +99,20 @@ def compute_dtype(xp, dtype):
     return xp.float32
 
 
-def check_scale(scale) -> float:
-    """A finite, strictly positive Python float, or ValueError/TypeError naming ``scale``."""
-    if isinstance(scale, bool) or not isinstance(scale, int | float | np.floating | np.integer):
-        raise TypeError(f"scale must be a real number; got {type(scale).__name__}")
+def check_scale(scale, name: str = "scale") -> float:
+    """Any finite real number (0 and negative included) as a Python float.
+
+    The one scale rule of attngrad (RELIABILITY 19): bool, complex, non-numbers, NaN and
+    inf are refused with a TypeError/ValueError naming ``name``.  NumPy scalars and 0-d
+    real arrays are accepted.
+    """
+    if isinstance(scale, bool | np.bool_):
+        raise TypeError(f"{name} must be a finite real number; got a bool ({scale!r})")
+    if isinstance(scale, np.ndarray) and scale.ndim == 0 and scale.dtype.kind in "iuf":
+        scale = scale.item()
+    if not isinstance(scale, int | float | np.floating | np.integer):
+        raise TypeError(f"{name} must be a finite real number; got {type(scale).__name__}")
     value = float(scale)
-    if not np.isfinite(value) or value <= 0.0:
-        raise ValueError(f"scale must be finite and > 0; got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite real number; got {value!r}")
     return value
