@@ -11,12 +11,18 @@ target y is x (copy), x reversed (reverse) or x sorted (sort).
 Held-out split: a sequence is held out iff a hash of its tokens falls in 1/``holdout``
 of the hash space.  Training batches never contain a held-out source; the evaluation set
 holds only held-out ones.  Generators are NumPy PCG64; their state is plain JSON.
+
+Settings with no possible data are refused up front (RELIABILITY row 26): lengths and
+symbols so few that one side of the split is empty, or so rare that rejection sampling
+would crawl (:func:`split_fractions`).  Every sampling loop is bounded all the same.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -44,6 +50,7 @@ class TaskConfig:
             raise ValueError(f"min_len ({self.min_len}) must be <= max_len ({self.max_len})")
         if not isinstance(self.holdout, int) or self.holdout < 2:
             raise ValueError(f"holdout must be an integer >= 2; got {self.holdout!r}")
+        check_split(self)
 
     @property
     def vocab(self) -> int:
@@ -66,14 +73,74 @@ def is_held_out(x: np.ndarray, holdout: int) -> bool:
     return int.from_bytes(digest, "little") % holdout == 0
 
 
+# Lengths with at most this many distinct sources are enumerated to count the split exactly;
+# longer ones hold so many that the hash puts 1/holdout of them on the held-out side.
+ENUMERATE_MAX = 4096
+# A side of the split drawn less often than this (per draw) would make sampling crawl.
+MIN_SIDE_PROBABILITY = 1e-3
+
+
+@lru_cache(maxsize=64)
+def split_fractions(symbols: int, min_len: int, max_len: int, holdout: int) -> tuple:
+    """(probability that a draw is held out, distinct held-out sources, distinct training
+    sources), the counts None where a length is too long to enumerate (then many)."""
+    n_lengths = max_len - min_len + 1
+    longest = min_len - 1  # the longest length with at most ENUMERATE_MAX sources
+    while longest < max_len and symbols ** (longest + 1) <= ENUMERATE_MAX:
+        longest += 1
+    p_held, n_held, n_train = 0.0, 0, 0
+    for length in range(min_len, longest + 1):
+        total = symbols**length
+        grid = np.indices((symbols,) * length).reshape(length, -1).T + N_SPECIAL  # (total, L)
+        held = sum(is_held_out(x, holdout) for x in grid)
+        n_held += held
+        n_train += total - held
+        p_held += held / total / n_lengths
+    many = max_len - longest  # lengths with more sources than ENUMERATE_MAX
+    p_held += many / holdout / n_lengths
+    return p_held, (None if many else n_held), (None if many else n_train)
+
+
+def check_split(cfg: TaskConfig) -> None:
+    """ValueError, with the reason, when one side of the held-out split is empty or too rare."""
+    p_held, n_held, n_train = split_fractions(cfg.symbols, cfg.min_len, cfg.max_len, cfg.holdout)
+    space = (f"symbols={cfg.symbols} and lengths {cfg.min_len}-{cfg.max_len} give "
+             f"{_count(cfg)} distinct sources")
+    fix = "use more symbols or longer sequences (--symbols, --min-len, --max-len)"
+    if n_held == 0:
+        raise ValueError(f"{space}, and none of them falls in the held-out split (1 in {cfg.holdout}): "
+                         f"there is nothing to evaluate on; {fix}")
+    if n_train == 0:
+        raise ValueError(f"{space}, all of them held out for evaluation: nothing to train on; {fix}")
+    for side, p in (("held-out", p_held), ("training", 1.0 - p_held)):
+        if p < MIN_SIDE_PROBABILITY:
+            raise ValueError(f"{space}, and a random one is a {side} source with probability {p:.1e}: "
+                             f"sampling that side would take ~{1 / p:.0f} draws per sequence; {fix}")
+
+
+def _count(cfg: TaskConfig) -> str:
+    if cfg.max_len * math.log10(cfg.symbols) > 9:
+        return f"about 10^{int(cfg.max_len * math.log10(cfg.symbols))}"
+    return str(sum(cfg.symbols**length for length in range(cfg.min_len, cfg.max_len + 1)))
+
+
 def sample_sources(rng: np.random.Generator, n: int, cfg: TaskConfig, *, held_out: bool) -> list:
-    """``n`` sources on the requested side of the split (rejection sampling)."""
+    """``n`` sources on the requested side of the split (rejection sampling, bounded)."""
+    p_held = split_fractions(cfg.symbols, cfg.min_len, cfg.max_len, cfg.holdout)[0]
+    p = max(p_held if held_out else 1.0 - p_held, MIN_SIDE_PROBABILITY)
+    budget = int(20 * n / p) + 1000  # expected n / p draws; 20x that does not happen by chance
     out = []
-    while len(out) < n:
+    for _ in range(budget):
+        if len(out) == n:
+            break
         length = int(rng.integers(cfg.min_len, cfg.max_len + 1))
         x = rng.integers(N_SPECIAL, N_SPECIAL + cfg.symbols, size=length)
         if is_held_out(x, cfg.holdout) == held_out:
             out.append(x)
+    if len(out) < n:
+        side = "held-out" if held_out else "training"
+        raise RuntimeError(f"found only {len(out)} of {n} {side} sources in {budget} draws "
+                           f"(symbols={cfg.symbols}, lengths {cfg.min_len}-{cfg.max_len})")
     return out
 
 
