@@ -9,6 +9,7 @@ from .core import (
     sdpa_backward,
     sdpa_forward,
 )
+from .core.rope import RoPE, RoPECache, rope_backward, rope_forward
 from .layers import (
     MHACache,
     init_mha_params,
@@ -23,6 +24,8 @@ __version__ = "0.1.0"
 __all__ = [
     "MHACache",
     "MaskSpec",
+    "RoPE",
+    "RoPECache",
     "SDPACache",
     "__version__",
     "init_mha_params",
@@ -32,6 +35,8 @@ __all__ = [
     "mha_forward",
     "params_from_torch",
     "params_to_torch",
+    "rope_backward",
+    "rope_forward",
     "sdpa",
     "sdpa_backward",
     "sdpa_forward",
