@@ -1,0 +1,229 @@
+"""``MultiheadAttention``: torch.nn.MultiheadAttention with attngrad's closed-form layer.
+
+The module *is* a ``torch.nn.MultiheadAttention`` (a subclass): the same constructor,
+parameters, initialisation, state_dict keys and forward signature, so the two load each
+other's state_dicts and a model swaps one for the other.  Only ``forward`` differs: the
+whole layer, projections included, is :func:`attngrad.mha_forward` and its gradients
+:func:`attngrad.mha_backward` (docs/equations.md, M1-M9), in a ``torch.autograd.Function``
+on the tensors' own device.
+
+PyTorch's conventions are translated here, at the edge, and nowhere else:
+
+- ``key_padding_mask`` bool, True = *ignore* -> attngrad's ``key_mask`` (True = attend)
+  through :func:`attngrad.layers.key_mask_from_torch`; float -> added to the logits;
+- ``attn_mask`` bool, True = *not allowed* (the opposite of F.scaled_dot_product_attention),
+  (L, S) or (N*num_heads, L, S) -> its negation as attngrad's ``mask``; float -> added;
+- ``is_causal`` is torch's hint that ``attn_mask`` is causal (torch requires the mask
+  too); attngrad applies the causal rule (top-left) AND ``attn_mask``.
+
+Differences from torch, on purpose: a query row with no key to attend gives 0 (torch's
+``need_weights=True`` path gives NaN there); the returned attention weights carry no
+gradient (they are marked non-differentiable: a loss through them is refused by torch, not
+silently wrong); ``add_bias_kv`` and ``add_zero_attn`` are refused.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from attngrad.layers import key_mask_from_torch, mha_backward, mha_forward
+from attngrad.torch.sdpa import dropout_options
+
+
+@dataclass(frozen=True)
+class LayerOptions:
+    """The non-tensor settings of one call of the layer."""
+
+    num_heads: int  # H
+    causal: str | bool  # False or "top_left"
+    need_weights: bool
+    dropout_p: float = 0.0
+    dropout_seed: int | None = None
+
+
+def _attngrad_params(w_in, w_q, w_k, w_v, b_in, w_out, b_out) -> dict:
+    """torch's (out, in) weights -> attngrad's (in, out) mapping W_q ... b_o (views, no copy)."""
+    if w_in is not None:
+        w_q, w_k, w_v = w_in.chunk(3)  # (E, E) each, rows of in_proj_weight (3E, E)
+    params = {"W_q": w_q.T, "W_k": w_k.T, "W_v": w_v.T, "W_o": w_out.T}  # (E|kdim|vdim, E)
+    if b_in is not None:
+        params.update(zip(("b_q", "b_k", "b_v"), b_in.chunk(3), strict=True))  # (E,) each
+    if b_out is not None:
+        params["b_o"] = b_out  # (E,)
+    return params
+
+
+def _layer_kwargs(bias, options: LayerOptions) -> dict:
+    """The optional keywords of :func:`attngrad.mha_forward`, passed only when used."""
+    kwargs = {}
+    accepted = inspect.signature(mha_forward).parameters
+    if bias is not None:
+        if "bias" not in accepted:
+            raise NotImplementedError(
+                "float (additive) attn_mask / key_padding_mask need attngrad.mha_forward(bias=), "
+                "which this version of attngrad lacks; pass boolean masks"
+            )
+        kwargs["bias"] = bias
+    if options.dropout_p:
+        kwargs.update(dropout_p=options.dropout_p, dropout_seed=options.dropout_seed)
+    return kwargs
+
+
+def _weights(attn_cache, lq: int, lk: int):
+    """The attention probabilities P (B, H, Lq, Lk) of a dense attngrad forward, as a copy."""
+    p = getattr(attn_cache, "p", None)  # (B, Hkv, G*Lq, Lk)
+    if p is None:
+        raise RuntimeError(
+            "need_weights=True needs the probabilities P of attngrad's dense forward "
+            f"(its cache has no field 'p': {type(attn_cache).__name__})"
+        )
+    return p.reshape(p.shape[0], -1, lq, lk).clone()  # (B, H, Lq, Lk), not aliased by the cache
+
+
+class MHAFunction(torch.autograd.Function):
+    """(B, Lq, E), (B, Lk, kdim), (B, Lk, vdim) + torch's parameters -> (B, Lq, E) [, P]."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, w_in, w_q, w_k, w_v, b_in, w_out, b_out, bias, mask,
+                key_mask, options: LayerOptions):
+        params = _attngrad_params(w_in, w_q, w_k, w_v, b_in, w_out, b_out)
+        y, cache = mha_forward(
+            params, query, key, value, num_heads=options.num_heads, mask=mask, key_mask=key_mask,
+            causal=options.causal, impl="dense", **_layer_kwargs(bias, options),
+        )  # (M1)-(M4) (B, Lq, E)
+        ctx.cache = cache  # memory: C (B, Lq, E), P (B, H, Lq, Lk), inputs and params by reference
+        ctx.packed = w_in is not None
+        # saved only so that autograd refuses a backward after an in-place change of an input
+        ctx.save_for_backward(query, key, value, w_in, w_q, w_k, w_v, b_in, w_out, b_out, bias)
+        if not options.need_weights:
+            return y
+        weights = _weights(cache.attn, query.shape[1], key.shape[1])  # (B, H, Lq, Lk)
+        ctx.mark_non_differentiable(weights)
+        return y, weights
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy, *_unused_dweights):
+        _ = ctx.saved_tensors  # raises if an input was modified in place since the forward
+        inputs, grads = mha_backward(dy.contiguous(), ctx.cache)  # (M5)-(M9)
+        dw = [grads[w].T for w in ("W_q", "W_k", "W_v")]  # torch's (out, in) layout
+        d_in = torch.cat(dw) if ctx.packed else None  # (3E, E)
+        d_sep = [None] * 3 if ctx.packed else dw
+        d_b_in = torch.cat([grads[b] for b in ("b_q", "b_k", "b_v")]) if "b_q" in grads else None
+        return (
+            inputs["query"], inputs["key"], inputs["value"], d_in, *d_sep, d_b_in,
+            grads["W_o"].T, grads.get("b_o"), inputs.get("bias"), None, None, None,
+        )
+
+
+class MultiheadAttention(torch.nn.MultiheadAttention):
+    """Drop-in for ``torch.nn.MultiheadAttention`` whose forward and backward are attngrad's."""
+
+    def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False,
+                 add_zero_attn=False, kdim=None, vdim=None, batch_first=False, device=None,
+                 dtype=None) -> None:
+        for name, value in (("add_bias_kv", add_bias_kv), ("add_zero_attn", add_zero_attn)):
+            if value:
+                raise ValueError(
+                    f"{name}=True is not implemented by attngrad.torch.MultiheadAttention "
+                    "(attngrad's layer has no extra key/value position); use "
+                    f"torch.nn.MultiheadAttention for it, or {name}=False"
+                )
+        super().__init__(embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn,
+                         kdim, vdim, batch_first, device, dtype)
+
+    def forward(self, query, key, value, key_padding_mask=None, need_weights=True,
+                attn_mask=None, average_attn_weights=True, is_causal=False):
+        """As ``torch.nn.MultiheadAttention.forward``: returns ``(attn_output, attn_weights)``,
+        weights averaged over heads when ``average_attn_weights``, None unless ``need_weights``."""
+        batched = _check_dims(query, key, value, key_padding_mask, attn_mask)
+        if not batched:  # (L, E) -> (1, L, E); masks gain the batch axis too
+            query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
+            key_padding_mask = None if key_padding_mask is None else key_padding_mask.unsqueeze(0)
+        elif not self.batch_first:  # (L, N, E) -> (N, L, E)
+            query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
+        n, lq, lk = query.shape[0], query.shape[1], key.shape[1]
+        if is_causal and attn_mask is None:
+            raise ValueError(
+                "is_causal=True is a hint that attn_mask is causal and needs attn_mask too, as in "
+                "torch.nn.MultiheadAttention (nn.Transformer.generate_square_subsequent_mask makes one)"
+            )
+        mask, bias = _attn_mask(attn_mask, n, self.num_heads, lq, lk, query.dtype)
+        key_mask, kpm_bias = _key_padding(key_padding_mask, n, lk, query.dtype)
+        if kpm_bias is not None:
+            bias = kpm_bias if bias is None else bias + kpm_bias  # (N, H|1, Lq|1, Lk)
+        dropout = dropout_options(self.dropout if self.training else 0.0, mha_forward)
+        options = LayerOptions(self.num_heads, "top_left" if is_causal else False,
+                               bool(need_weights), **dropout)
+        result = MHAFunction.apply(
+            query, key, value, self.in_proj_weight, self.q_proj_weight, self.k_proj_weight,
+            self.v_proj_weight, self.in_proj_bias, self.out_proj.weight, self.out_proj.bias,
+            bias, mask, key_mask, options,
+        )
+        y, weights = result if need_weights else (result, None)  # (N, Lq, E), (N, H, Lq, Lk)
+        if weights is not None and average_attn_weights:
+            weights = weights.mean(dim=1)  # (N, Lq, Lk)
+        if not batched:
+            return y.squeeze(0), None if weights is None else weights.squeeze(0)
+        return (y if self.batch_first else y.transpose(0, 1)), weights
+
+
+def _check_dims(query, key, value, key_padding_mask, attn_mask) -> bool:
+    """torch's rules: 3-D inputs are batched, 2-D unbatched; returns whether batched."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+    if query.dim() not in (2, 3) or key.dim() != query.dim() or value.dim() != query.dim():
+        raise ValueError(
+            "query, key and value must all be 3-D (batched) or all 2-D (unbatched); got shapes "
+            f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
+        )
+    batched = query.dim() == 3
+    if key_padding_mask is not None and key_padding_mask.dim() != query.dim() - 1:
+        raise ValueError(
+            f"key_padding_mask must be {'2-D (N, S)' if batched else '1-D (S,)'} for "
+            f"{query.dim()}-D inputs; got shape {tuple(key_padding_mask.shape)}"
+        )
+    if attn_mask is not None and attn_mask.dim() not in (2, 3):
+        raise ValueError(f"attn_mask must be 2-D or 3-D; got shape {tuple(attn_mask.shape)}")
+    return batched
+
+
+def _attn_mask(attn_mask, n: int, heads: int, lq: int, lk: int, dtype):
+    """torch's attn_mask -> (attngrad mask (True = attend), additive bias), each 4-D or None."""
+    if attn_mask is None:
+        return None, None
+    want = (lq, lk) if attn_mask.dim() == 2 else (n * heads, lq, lk)
+    if tuple(attn_mask.shape) != want:
+        raise ValueError(
+            f"attn_mask must have shape (L, S) = {(lq, lk)} or (N*num_heads, L, S) = "
+            f"{(n * heads, lq, lk)}; got {tuple(attn_mask.shape)}"
+        )
+    m = attn_mask.reshape(1, 1, lq, lk) if attn_mask.dim() == 2 else attn_mask.reshape(n, heads, lq, lk)
+    if m.dtype == torch.bool:
+        return ~m, None  # torch: True = NOT allowed; attngrad: True = attend
+    if m.dtype != dtype:
+        raise TypeError(f"attn_mask must be bool or of query's dtype {dtype}; got {attn_mask.dtype}")
+    return None, m
+
+
+def _key_padding(key_padding_mask, n: int, lk: int, dtype):
+    """torch's key_padding_mask -> (attngrad key_mask (N, S), additive bias (N, 1, 1, S))."""
+    if key_padding_mask is None:
+        return None, None
+    if tuple(key_padding_mask.shape) != (n, lk):
+        raise ValueError(
+            f"key_padding_mask must have shape (N, S) = {(n, lk)}; got {tuple(key_padding_mask.shape)}"
+        )
+    if key_padding_mask.dtype == torch.bool:
+        return key_mask_from_torch(key_padding_mask), None
+    if key_padding_mask.dtype != dtype:
+        raise TypeError(
+            f"key_padding_mask must be bool (True = ignore) or of query's dtype {dtype}; got "
+            f"{key_padding_mask.dtype}"
+        )
+    return None, key_padding_mask.reshape(n, 1, 1, lk)
