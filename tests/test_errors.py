@@ -15,6 +15,7 @@ from attngrad import (
     sdpa_backward,
     sdpa_forward,
 )
+from attngrad.layers import key_mask_from_torch
 
 B, H, HKV, LQ, LK, D, DV = 2, 4, 2, 3, 4, 3, 2
 rng = np.random.default_rng(0)
@@ -127,10 +128,11 @@ def _with(**changes):
 MHA_ERRORS = [
     ({"num_heads": 3}, ValueError, r"num_heads=3 must divide the width of W_q \(E, H\*D\); got W_q of shape \(8, 8\)"),
     ({"num_heads": 0}, ValueError, r"num_heads must be a positive integer; got 0"),
-    ({"num_heads": 2.0}, ValueError, r"num_heads must be a positive integer; got 2.0"),
-    ({"num_heads": True}, ValueError, r"num_heads must be a positive integer; got True"),
+    ({"num_heads": 2.0}, TypeError, r"num_heads must be a positive integer; got 2.0 \(float\)"),
+    ({"num_heads": True}, TypeError, r"num_heads must be a positive integer; got True \(bool\)"),
     ({"num_kv_heads": 3}, ValueError, r"num_kv_heads must be a positive divisor of num_heads=2; got 3"),
-    ({"num_kv_heads": 0}, ValueError, r"num_kv_heads must be a positive divisor of num_heads=2; got 0"),
+    ({"num_kv_heads": 0}, ValueError, r"num_kv_heads must be a positive integer; got 0"),
+    ({"num_kv_heads": "1"}, TypeError, r"num_kv_heads must be a positive integer or None; got '1' \(str\)"),
     ({"params": [1, 2]}, TypeError, r"params must be a mapping of arrays; got list"),
     ({"params": _with(W_o=None)}, ValueError, r"params is missing weights \['W_o'\]"),
     ({"params": {**PARAMS, "w_q": PARAMS["W_q"]}}, ValueError, r"params has unknown keys \['w_q'\]; expected some of"),
@@ -153,7 +155,9 @@ MHA_ERRORS = [
     ({"mask": np.ones((B, 3, LQ, LQ), bool)}, ValueError, r"mask of shape \(2, 3, 3, 3\) does not broadcast to \(B, H, Lq, Lk\) = \(2, 2, 3, 3\)"),
     ({"key_lengths": [LQ, LQ + 1]}, ValueError, r"key_lengths must lie in \[0, Lk\] = \[0, 3\]"),
     ({"key": MEM, "causal": True}, ValueError, r"causal=True is ambiguous when Lq \(3\) != Lk \(4\)"),
-    ({"scale": -1.0}, ValueError, r"scale must be finite and > 0; got -1.0"),
+    ({"scale": float("nan")}, ValueError, r"scale must be a finite real number; got nan"),
+    ({"scale": True}, TypeError, r"scale must be a finite real number; got a bool"),
+    ({"scale": 1j}, TypeError, r"scale must be a finite real number; got complex"),
 ]
 
 
@@ -171,13 +175,90 @@ def test_mha_backward_refuses():
         mha_backward(np.ones_like(y)[0], cache)
 
 
+@pytest.mark.parametrize("bad", [None, {}, "x", (1, 2), "sdpa"], ids=["None", "dict", "str", "tuple", "SDPACache"])
+def test_mha_backward_refuses_a_cache_it_did_not_make(bad):
+    """Issue 9, defect 5: TypeError naming cache and what it must be, not AttributeError."""
+    y, _ = _mha()
+    if bad == "sdpa":
+        bad = sdpa_forward(Q, K, V)[1]
+    with pytest.raises(TypeError, match=r"cache must be the MHACache that mha_forward returned .*; got "
+                       + type(bad).__name__):
+        mha_backward(np.ones_like(y), bad)
+
+
+def test_mha_backward_checks_dy():
+    """Issue 9, defect 6: dy's kind, dtype (the forward's) and shape."""
+    y, cache = _mha()
+    with pytest.raises(TypeError, match=r"dy must be a numpy array of the forward's dtype float64; got a numpy ndarray of dtype int64"):
+        mha_backward(np.ones(y.shape, np.int64), cache)
+    with pytest.raises(TypeError, match=r"dy must be a numpy array of the forward's dtype float64; got a numpy ndarray of dtype float32"):
+        mha_backward(np.ones(y.shape, np.float32), cache)
+    with pytest.raises(TypeError, match=r"dy must be an array .*; got list"):
+        mha_backward(np.ones(y.shape).tolist(), cache)
+    with pytest.raises(TypeError, match=r"dy must be an array .*; got float"):
+        mha_backward(1.0, cache)
+    with pytest.raises(ValueError, match=r"dy must have the output's shape \(B, Lq, E_out\) = \(2, 3, 8\); got \(1, 3, 8\)"):
+        mha_backward(np.ones((1, LQ, E)), cache)
+    p32 = {n: a.astype(np.float32) for n, a in PARAMS.items()}
+    _, cache32 = mha_forward(p32, X.astype(np.float32), num_heads=2)
+    with pytest.raises(TypeError, match=r"dy must be a numpy array of the forward's dtype float32; got a numpy ndarray of dtype float64"):
+        mha_backward(np.ones(y.shape), cache32)
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match=r"dy must be a numpy array of the forward's dtype float64; got a torch Tensor of dtype float64"):
+        mha_backward(torch.ones(y.shape, dtype=torch.float64), cache)
+    # a good dy still works, and the gradients have the forward's dtype
+    _, grads = mha_backward(np.ones(y.shape, np.float32), cache32)
+    assert all(g.dtype == np.float32 for g in grads.values())
+
+
 def test_init_mha_params_refuses():
     with pytest.raises(ValueError, match=r"num_heads=3 must divide embed_dim=8"):
         init_mha_params(8, 3)
     with pytest.raises(ValueError, match=r"num_kv_heads must divide num_heads=4; got 3"):
         init_mha_params(8, 4, num_kv_heads=3)
-    with pytest.raises(ValueError, match=r"embed_dim and num_heads must be >= 1; got 0, 2"):
+    with pytest.raises(ValueError, match=r"embed_dim must be a positive integer; got 0"):
         init_mha_params(0, 2)
+
+
+INIT_ERRORS = [  # issue 9, defect 8: every argument of init_mha_params is checked
+    ({"embed_dim": 8.0}, TypeError, r"embed_dim must be a positive integer; got 8.0 \(float\)"),
+    ({"embed_dim": "8"}, TypeError, r"embed_dim must be a positive integer; got '8' \(str\)"),
+    ({"embed_dim": None}, TypeError, r"embed_dim must be a positive integer; got None"),
+    ({"embed_dim": True}, TypeError, r"embed_dim must be a positive integer; got True \(bool\)"),
+    ({"num_heads": 0}, ValueError, r"num_heads must be a positive integer; got 0"),
+    ({"num_heads": 2.5}, TypeError, r"num_heads must be a positive integer; got 2.5"),
+    ({"head_dim": -1}, ValueError, r"head_dim must be a positive integer; got -1"),
+    ({"head_dim": 4.0}, TypeError, r"head_dim must be a positive integer or None; got 4.0"),
+    ({"value_head_dim": 0}, ValueError, r"value_head_dim must be a positive integer; got 0"),
+    ({"kdim": -2}, ValueError, r"kdim must be a positive integer; got -2"),
+    ({"vdim": "3"}, TypeError, r"vdim must be a positive integer or None; got '3'"),
+    ({"num_kv_heads": 0}, ValueError, r"num_kv_heads must be a positive integer; got 0"),
+    ({"dtype": "int32"}, TypeError, r"dtype must be a real floating NumPy dtype .*; got int32"),
+    ({"dtype": "complex128"}, TypeError, r"dtype must be a real floating NumPy dtype .*; got complex128"),
+    ({"dtype": "float128"}, TypeError, r"dtype must be a real floating NumPy dtype"),
+    ({"dtype": "bogus"}, TypeError, r"dtype must be a real floating NumPy dtype .*; got 'bogus'"),
+    ({"dtype": None}, TypeError, r"dtype must be a real floating NumPy dtype .*; got None"),
+    ({"rng": "seed"}, TypeError, r"rng must be a numpy.random.Generator, a non-negative integer seed or None; got str"),
+    ({"rng": 1.5}, TypeError, r"rng must be a numpy.random.Generator, .*; got float"),
+    ({"rng": np.random.RandomState(0)}, TypeError, r"rng must be a numpy.random.Generator, .*; got RandomState"),
+    ({"rng": -1}, ValueError, r"rng must be a non-negative integer seed; got -1"),
+    ({"bias": "yes"}, TypeError, r"bias must be True or False; got 'yes'"),
+]
+
+
+@pytest.mark.parametrize(("over", "exc", "match"), INIT_ERRORS, ids=[m[:40] for _, _, m in INIT_ERRORS])
+def test_init_mha_params_checks_every_argument(over, exc, match):
+    args = {"embed_dim": 8, "num_heads": 2, **over}
+    with pytest.raises(exc, match=match):
+        init_mha_params(args.pop("embed_dim"), args.pop("num_heads"), **args)
+
+
+def test_init_mha_params_takes_numpy_integers_and_dtypes():
+    p = init_mha_params(np.int64(8), np.int32(2), head_dim=np.int64(3), dtype=np.float32,
+                        rng=np.random.default_rng(1))
+    assert p["W_q"].shape == (8, 6) and all(a.dtype == np.float32 for a in p.values())
+    same = init_mha_params(8, 2, head_dim=3, dtype="float32", rng=1)
+    assert all(np.array_equal(p[n], same[n]) for n in p)
 
 
 def test_torch_interop_refuses():
@@ -192,6 +273,107 @@ def test_torch_interop_refuses():
     module = torch.nn.MultiheadAttention(8, 2, add_bias_kv=True)
     with pytest.raises(ValueError, match=r"state_dict has 'bias_k' \(add_bias_kv=True\)"):
         params_from_torch(module)
+
+
+def _state(**changes):
+    """A good MultiheadAttention(8, 2) state_dict (E = 8) with some entries changed or removed."""
+    torch = pytest.importorskip("torch")
+    sd = {"in_proj_weight": torch.randn(24, 8, dtype=torch.float64), "in_proj_bias": torch.randn(24, dtype=torch.float64),
+          "out_proj.weight": torch.randn(8, 8, dtype=torch.float64), "out_proj.bias": torch.randn(8, dtype=torch.float64)}
+    for name, value in changes.items():
+        if value is None:
+            del sd[name]
+        else:
+            sd[name] = value
+    return sd
+
+
+def _sep(**changes):
+    torch = pytest.importorskip("torch")
+    sd = _state(in_proj_weight=None, q_proj_weight=torch.zeros(8, 8), k_proj_weight=torch.zeros(8, 5),
+                v_proj_weight=torch.zeros(8, 3))
+    return {**{k: v.double() for k, v in sd.items()}, **changes}
+
+
+FROM_TORCH_ERRORS = [  # issue 9, defect 7
+    (lambda t: None, TypeError, r"state_dict must be a torch.nn.MultiheadAttention or its state_dict .*; got NoneType"),
+    (lambda t: 42, TypeError, r"state_dict must be .*; got int"),
+    (lambda t: "sd", TypeError, r"state_dict must be .*; got str"),
+    (lambda t: _state(in_proj_weight=t.zeros(192, dtype=t.float64)), ValueError,
+     r"state_dict\['in_proj_weight'\] must have shape \(3E, E\) = \(24, 8\); got \(192,\)"),
+    (lambda t: _state(in_proj_weight=t.zeros(25, 8, dtype=t.float64)), ValueError,
+     r"state_dict\['in_proj_weight'\] must have shape \(3E, E\) = \(24, 8\); got \(25, 8\)"),
+    (lambda t: _state(in_proj_bias=t.zeros(20, dtype=t.float64)), ValueError,
+     r"state_dict\['in_proj_bias'\] must have shape \(3E,\) = \(24,\); got \(20,\)"),
+    (lambda t: _state(**{"out_proj.bias": t.zeros(7, dtype=t.float64)}), ValueError,
+     r"state_dict\['out_proj.bias'\] must have shape \(E,\) = \(8,\); got \(7,\)"),
+    (lambda t: _state(**{"out_proj.weight": t.zeros(8, 6, dtype=t.float64)}), ValueError,
+     r"state_dict\['out_proj.weight'\] must have shape \(E, E\); got \(8, 6\)"),
+    (lambda t: _state(**{"out_proj.weight": t.zeros(8, dtype=t.float64)}), ValueError,
+     r"state_dict\['out_proj.weight'\] must have shape \(E, E\); got \(8,\)"),
+    (lambda t: _state(in_proj_weight=[[0.0] * 8] * 24), TypeError,
+     r"state_dict\['in_proj_weight'\] must be a tensor or array; got list"),
+    (lambda t: _state(in_proj_bias=t.zeros(24, dtype=t.int64)), TypeError,
+     r"state_dict\['in_proj_bias'\] must have a real floating dtype .*; got int64"),
+    (lambda t: _state(**{"attn.in_proj_weight": t.zeros(24, 8)}), ValueError,
+     r"state_dict has keys \['attn.in_proj_weight'\] that torch.nn.MultiheadAttention does not have"),
+    (lambda t: _sep(q_proj_weight=t.zeros(8, 7, dtype=t.float64)), ValueError,
+     r"state_dict\['q_proj_weight'\] must have shape \(E, E\) = \(8, 8\); got \(8, 7\)"),
+    (lambda t: _sep(k_proj_weight=t.zeros(7, 5, dtype=t.float64)), ValueError,
+     r"state_dict\['k_proj_weight'\] must have shape \(E, kdim\) = \(8, kdim\); got \(7, 5\)"),
+    (lambda t: _sep(v_proj_weight=t.zeros(8, dtype=t.float64)), ValueError,
+     r"state_dict\['v_proj_weight'\] must have shape \(E, vdim\) = \(8, vdim\); got \(8,\)"),
+    (lambda t: {**_sep(), "in_proj_weight": t.zeros(24, 8, dtype=t.float64)}, ValueError,
+     r"state_dict holds both 'in_proj_weight' and \['q_proj_weight', 'k_proj_weight', 'v_proj_weight'\]"),
+]
+
+
+@pytest.mark.parametrize(("make", "exc", "match"), FROM_TORCH_ERRORS, ids=[m[:40] for _, _, m in FROM_TORCH_ERRORS])
+def test_params_from_torch_refuses_malformed_state_dicts(make, exc, match):
+    torch = pytest.importorskip("torch")
+    with pytest.raises(exc, match=match):
+        params_from_torch(make(torch))
+
+
+def test_params_from_torch_accepts_good_state_dicts():
+    pytest.importorskip("torch")
+    sd = _state()
+    p = params_from_torch(sd)
+    np.testing.assert_array_equal(p["b_v"], sd["in_proj_bias"][16:].numpy())
+    assert p["W_q"].shape == (8, 8) and p["b_o"].shape == (8,)
+    p = params_from_torch(_sep(), dtype="float32")
+    assert p["W_k"].shape == (5, 8) and p["W_v"].shape == (3, 8) and p["W_q"].dtype == np.float32
+    with pytest.raises(TypeError, match=r"dtype must be a real floating NumPy dtype .*; got int32"):
+        params_from_torch(sd, dtype="int32")
+
+
+TO_TORCH_ERRORS = [  # issue 9, defect 7
+    ({}, ValueError, r"params is missing weights \['W_q', 'W_k', 'W_v', 'W_o'\]"),
+    (None, TypeError, r"params must be a mapping of arrays; got NoneType"),
+    (_with(W_q=np.float64(1.0)), TypeError, r"params\['W_q'\] must be an array .*; got float64"),
+    (_with(W_q=np.array(1.0)), ValueError, r"params\['W_q'\] must have 2 dimensions; got shape \(\)"),
+    (_with(b_q=np.zeros(3)), ValueError, r"b_q must have shape \(8,\); got \(3,\)"),
+    (_with(b_o=np.zeros(9)), ValueError, r"b_o must have shape \(8,\); got \(9,\)"),
+    (_with(W_v=PARAMS["W_v"].astype(np.int64)), TypeError, r"W_v must have a real floating dtype .*; got int64"),
+]
+
+
+@pytest.mark.parametrize(("params", "exc", "match"), TO_TORCH_ERRORS, ids=[m[:40] for _, _, m in TO_TORCH_ERRORS])
+def test_params_to_torch_refuses(params, exc, match):
+    pytest.importorskip("torch")
+    with pytest.raises(exc, match=match):
+        params_to_torch(params)
+
+
+def test_key_mask_from_torch_refuses():
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match=r"key_padding_mask must be a boolean tensor or NumPy array \(B, Lk\); got list"):
+        key_mask_from_torch([True])
+    with pytest.raises(TypeError, match=r"key_padding_mask must be boolean \(True = ignore\); got dtype int64"):
+        key_mask_from_torch(torch.zeros(2, 3, dtype=torch.int64))
+    kpm = torch.tensor([[False, True]])
+    assert torch.equal(key_mask_from_torch(kpm), torch.tensor([[True, False]]))
+    np.testing.assert_array_equal(key_mask_from_torch(np.array([[True, False]])), [[False, True]])
 
 
 def test_mixed_array_libraries_are_refused():

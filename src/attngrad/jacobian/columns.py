@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..layers.mha import WEIGHTS
+from ..layers.mha import BIASES, WEIGHTS
 
 
 def to_rows(a, name: str = "input"):
@@ -41,9 +41,18 @@ def jacobian_to_columns(jac, wrt: str):
 
     Output axes become (B, E_out, Lq); an input's axes (B, L, E) become (B, E, L); a
     weight's (in, out) become (out, in); a bias keeps its one axis."""
+    inputs = ("query", "key", "value")
+    if wrt not in (*inputs, *WEIGHTS, *BIASES):
+        raise ValueError(f"wrt must be an input {inputs} or a parameter name {WEIGHTS + BIASES}; "
+                         f"got {wrt!r}")
+    ndim = 3 + (3 if wrt in inputs else 2 if wrt in WEIGHTS else 1)
+    layout = {3: "(B, L, E)", 2: "(in, out)", 1: "(out,)"}[ndim - 3]
+    if not isinstance(jac, np.ndarray) or jac.ndim != ndim:
+        raise ValueError(
+            f"jac must be a layer Jacobian, a NumPy array (B, Lq, E_out, *{wrt}.shape) with {wrt} "
+            f"{layout}, so {ndim} dimensions; got {getattr(jac, 'shape', type(jac).__name__)}"
+        )
     jac = np.swapaxes(jac, 1, 2)  # output (B, Lq, E) -> (B, E, Lq)
-    if wrt in ("query", "key", "value"):
-        return np.swapaxes(jac, -1, -2)
-    if wrt in WEIGHTS:
-        return np.swapaxes(jac, -1, -2)
+    if wrt in inputs or wrt in WEIGHTS:
+        return np.swapaxes(jac, -1, -2)  # (B, L, E) -> (B, E, L);  (in, out) -> (out, in)
     return jac

@@ -24,15 +24,15 @@ from typing import NamedTuple
 import numpy as np
 
 from ..layers.mha import check_params
+from ..ops import merge_heads, split_heads, weight_grad
 from .jvp import (
+    SOURCE_ROLES,
     AttnJVP,
     _f64,
     attention_jvp_parts,
     attention_structure,
     layer_jvp_parts,
     layer_sources,
-    merge_heads,
-    split_heads,
 )
 
 
@@ -101,9 +101,16 @@ class LayerSecondOrder(NamedTuple):
     hvp: dict  # the same keys: ∇²L · direction
 
 
-def _wsum(x, dy):
-    """Σ_b xᵀ dy: (B, L, in), (B, L, out) -> (in, out)."""
-    return np.einsum("bli,blo->io", x, dy)
+def _one_direction(tangents, params, inputs) -> None:
+    """mha_hvp takes one direction: every tangent has exactly its array's shape."""
+    for name, t in (tangents or {}).items():
+        like = params[name] if name in params else inputs[name]
+        if t.shape != like.shape:
+            raise ValueError(
+                f"mha_hvp takes one direction: tangents[{name!r}] must have the shape of {name}, "
+                f"{like.shape}; got {t.shape} (for a batch of directions call mha_hvp once per "
+                "direction)"
+            )
 
 
 def mha_hvp(params, query, key=None, value=None, *, tangents=None, cotangent=None, target=None,
@@ -115,22 +122,23 @@ def mha_hvp(params, query, key=None, value=None, *, tangents=None, cotangent=Non
     H, _, _, _ = check_params(params, num_heads, num_kv_heads)
     r = layer_jvp_parts(params, query, key, value, tangents=tangents, num_heads=num_heads, num_kv_heads=num_kv_heads,
                         mask=mask, key_lengths=key_lengths, key_mask=key_mask, causal=causal, scale=scale)
+    _one_direction(tangents, params, dict(zip(SOURCE_ROLES, (query, key, value), strict=True)))
     tparams = {n: (tangents or {}).get(n, np.zeros_like(a)) for n, a in params.items()}
     dy, tdy = _loss_grad(r.y, r.ty, cotangent, target, "layer output")  # (H7)
     g, t = {}, {}
-    g["W_o"], t["W_o"] = _wsum(r.context, dy), _wsum(r.tcontext, dy) + _wsum(r.context, tdy)  # (M5) (H8)
+    g["W_o"], t["W_o"] = weight_grad(np, r.context, dy), weight_grad(np, r.tcontext, dy) + weight_grad(np, r.context, tdy)  # (M5) (H8)
     if "b_o" in params:
         g["b_o"], t["b_o"] = np.sum(dy, axis=(0, 1)), np.sum(tdy, axis=(0, 1))  # (M5) (H8)
     wo = params["W_o"]
     dc = dy @ wo.T  # (M5) (B, Lq, H*Dv)
     tdc = tdy @ wo.T + dy @ tparams["W_o"].T  # (H8)
-    a = attention_backward_jvp(r.attn, split_heads(dc, H), split_heads(tdc, H))  # (M6) (H1)-(H6)
+    a = attention_backward_jvp(r.attn, split_heads(np, dc, H), split_heads(np, tdc, H))  # (M6) (H1)-(H6)
     roles, _ = layer_sources(query, key, value)
     for n, role, x, tx in zip("qkv", roles, r.sources, r.tsources, strict=True):
-        dproj, tdproj = merge_heads(a.grads[n]), merge_heads(a.hvp[n])  # dQ, d(dQ)' (B, L, heads*D)
+        dproj, tdproj = merge_heads(np, a.grads[n]), merge_heads(np, a.hvp[n])  # dQ, d(dQ)' (B, L, heads*D)
         w = params[f"W_{n}"]
-        g[f"W_{n}"] = _wsum(x, dproj)  # (M7)
-        t[f"W_{n}"] = _wsum(tx, dproj) + _wsum(x, tdproj)  # (H9)
+        g[f"W_{n}"] = weight_grad(np, x, dproj)  # (M7)
+        t[f"W_{n}"] = weight_grad(np, tx, dproj) + weight_grad(np, x, tdproj)  # (H9)
         if f"b_{n}" in params:
             g[f"b_{n}"], t[f"b_{n}"] = np.sum(dproj, axis=(0, 1)), np.sum(tdproj, axis=(0, 1))  # (M7) (H9)
         dx = dproj @ w.T  # (M8)

@@ -15,13 +15,16 @@ entries have P = Ṗ = 0 and a query row with no key gives Ȯ = 0.  NumPy, float
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import numpy as np
 
+from ..core._xp import check_scale
 from ..core.masks import make_mask_spec
 from ..core.sdpa import masked_softmax, validate_qkv
 from ..layers.mha import check_params
+from ..ops import merge_heads, project, split_heads
 
 
 class AttnJVP(NamedTuple):
@@ -71,9 +74,7 @@ def attention_structure(q, k, v, *, mask=None, key_lengths=None, key_mask=None, 
                           key_mask=key_mask, causal=causal)
     if scale is None:
         scale = 1.0 / math.sqrt(sh.d) if sh.d else 1.0
-    if not (isinstance(scale, int | float) and math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale must be finite and > 0; got {scale!r}")
-    return sh, spec.block(np), float(scale)
+    return sh, spec.block(np), check_scale(scale)  # the library's one scale rule
 
 
 def attention_jvp_parts(q, k, v, tq, tk, tv, allowed, scale) -> AttnJVP:
@@ -117,18 +118,6 @@ def sdpa_jvp(q, k, v, tq=None, tk=None, tv=None, *, mask=None, key_lengths=None,
 # ----------------------------------------------------------------------------- layer
 
 
-def split_heads(x, heads: int):
-    """(..., B, L, heads*D) -> (..., B, heads, L, D)."""
-    *lead, l, hd = x.shape
-    return np.swapaxes(np.reshape(x, (*lead, l, heads, hd // heads)), -2, -3)
-
-
-def merge_heads(x):
-    """(..., B, heads, L, D) -> (..., B, L, heads*D)."""
-    *lead, h, l, d = x.shape
-    return np.reshape(np.swapaxes(x, -2, -3), (*lead, l, h * d))
-
-
 class LayerJVP(NamedTuple):
     """Primal and tangent values of one layer call (what the layer HVP reuses)."""
 
@@ -166,6 +155,11 @@ def layer_jvp_parts(params, query, key=None, value=None, *, tangents=None, num_h
                     mask=None, key_lengths=None, key_mask=None, causal=False, scale=None) -> LayerJVP:
     """(J4), (J1)-(J3) per head, (J5).  ``tangents``: dict with some of the keys of
     ``params`` and of the inputs ("query", "key", "value"); missing keys are 0."""
+    if tangents is not None and not isinstance(tangents, Mapping):
+        raise TypeError(
+            "tangents must be a mapping from parameter or input names to arrays (the direction); "
+            f"got {type(tangents).__name__}"
+        )
     tangents = dict(tangents or {})
     H, Hkv, _, _ = check_params(params, num_heads, num_kv_heads)
     roles, srcs = layer_sources(query, key, value)
@@ -182,19 +176,19 @@ def layer_jvp_parts(params, query, key=None, value=None, *, tangents=None, num_h
     proj = []
     for x, tx, n in zip(srcs, tsrcs, "qkv", strict=True):
         w, b = params[f"W_{n}"], params.get(f"b_{n}")
-        y = x @ w if b is None else x @ w + b  # (M1)
-        ty = tx @ w + _x_dw(x, tp[f"W_{n}"]) + (_db(tp[f"b_{n}"]) if b is not None else 0.0)  # (J4)
+        y = project(np, x, w, b)  # (M1) (B, L, heads*D)
+        ty = project(np, tx, w) + _x_dw(x, tp[f"W_{n}"]) + (_db(tp[f"b_{n}"]) if b is not None else 0.0)  # (J4)
         proj.append((y, ty))
     (q, tq), (k, tk), (v, tv) = proj
-    _, allowed, s = attention_structure(split_heads(q, H), split_heads(k, Hkv), split_heads(v, Hkv),
-                                        mask=mask, key_lengths=key_lengths, key_mask=key_mask,
-                                        causal=causal, scale=scale)
-    attn = attention_jvp_parts(split_heads(q, H), split_heads(k, Hkv), split_heads(v, Hkv),
-                               split_heads(tq, H), split_heads(tk, Hkv), split_heads(tv, Hkv), allowed, s)
-    c, tc = merge_heads(attn.out), merge_heads(attn.tout)  # (M3) (B, Lq, H*Dv)
+    heads = (split_heads(np, q, H), split_heads(np, k, Hkv), split_heads(np, v, Hkv))  # (M1)
+    _, allowed, s = attention_structure(*heads, mask=mask, key_lengths=key_lengths,
+                                        key_mask=key_mask, causal=causal, scale=scale)
+    attn = attention_jvp_parts(*heads, split_heads(np, tq, H), split_heads(np, tk, Hkv),
+                               split_heads(np, tv, Hkv), allowed, s)  # (J1)-(J3) per head
+    c, tc = merge_heads(np, attn.out), merge_heads(np, attn.tout)  # (M3) (B, Lq, H*Dv)
     wo, bo = params["W_o"], params.get("b_o")
-    y = c @ wo if bo is None else c @ wo + bo  # (M4)
-    ty = tc @ wo + _x_dw(c, tp["W_o"]) + (_db(tp["b_o"]) if bo is not None else 0.0)  # (J5)
+    y = project(np, c, wo, bo)  # (M4) (B, Lq, E_out)
+    ty = project(np, tc, wo) + _x_dw(c, tp["W_o"]) + (_db(tp["b_o"]) if bo is not None else 0.0)  # (J5)
     return LayerJVP(srcs, tsrcs, attn, c, tc, y, ty)
 
 

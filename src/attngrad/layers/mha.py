@@ -21,8 +21,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..core._xp import Array, check_array, check_float_dtypes, namespace
+from ..core._xp import Array, check_array, check_float_dtypes, dtype_name, namespace
 from ..core.sdpa import SDPACache, sdpa_backward, sdpa_forward
+from ..ops import merge_heads, project, split_heads, weight_grad
 
 WEIGHTS = ("W_q", "W_k", "W_v", "W_o")
 BIASES = ("b_q", "b_k", "b_v", "b_o")
@@ -47,23 +48,42 @@ class MHACache(NamedTuple):
     kv_heads: int  # Hkv
 
 
-def check_params(params, num_heads: int, num_kv_heads: int | None = None) -> tuple[int, int, int, int]:
-    """Validate parameter names and shapes; returns (H, Hkv, D, Dv)."""
+def check_size(name: str, value, *, optional: bool = False) -> int | None:
+    """A positive integer (a Python or NumPy integer, not a bool) or, if ``optional``, None:
+    TypeError for another type, ValueError for a value < 1, each naming ``name``."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool | np.bool_) or not isinstance(value, int | np.integer):
+        want = "a positive integer" + (" or None" if optional else "")
+        raise TypeError(f"{name} must be {want}; got {value!r} ({type(value).__name__})")
+    if value < 1:
+        raise ValueError(f"{name} must be a positive integer; got {value!r}")
+    return int(value)
+
+
+def check_param_arrays(params) -> None:
+    """``params`` is a mapping with the four weights (2-D) and some biases (1-D)."""
     if not hasattr(params, "keys"):
         raise TypeError(f"params must be a mapping of arrays; got {type(params).__name__}")
-    unknown = sorted(set(params) - set(PARAM_NAMES))
+    unknown = sorted(map(repr, set(params) - set(PARAM_NAMES)))
     if unknown:
-        raise ValueError(f"params has unknown keys {unknown}; expected some of {list(PARAM_NAMES)}")
+        raise ValueError(
+            f"params has unknown keys [{', '.join(unknown)}]; expected some of {list(PARAM_NAMES)}"
+        )
     missing = [w for w in WEIGHTS if w not in params]
     if missing:
         raise ValueError(f"params is missing weights {missing}")
     for name in PARAM_NAMES:
         if name in params:
             check_array(f"params[{name!r}]", params[name], 2 if name in WEIGHTS else 1)
-    if isinstance(num_heads, bool) or not isinstance(num_heads, int | np.integer) or num_heads < 1:
-        raise ValueError(f"num_heads must be a positive integer; got {num_heads!r}")
-    hkv = num_heads if num_kv_heads is None else num_kv_heads
-    if isinstance(hkv, bool) or not isinstance(hkv, int | np.integer) or hkv < 1 or num_heads % hkv:
+
+
+def check_params(params, num_heads: int, num_kv_heads: int | None = None) -> tuple[int, int, int, int]:
+    """Validate parameter names and shapes; returns (H, Hkv, D, Dv)."""
+    check_param_arrays(params)
+    num_heads = check_size("num_heads", num_heads)
+    hkv = check_size("num_kv_heads", num_kv_heads, optional=True) or num_heads
+    if num_heads % hkv:
         raise ValueError(
             f"num_kv_heads must be a positive divisor of num_heads={num_heads}; got {num_kv_heads!r}"
         )
@@ -85,25 +105,6 @@ def check_params(params, num_heads: int, num_kv_heads: int | None = None) -> tup
         if b in params and tuple(params[b].shape) != (w.shape[axis],):
             raise ValueError(f"{b} must have shape ({w.shape[axis]},); got {tuple(params[b].shape)}")
     return num_heads, hkv, d, dv
-
-
-def _linear(x, w, b):
-    """(B, L, in) @ (in, out) -> (B, L, out), as one 2-D GEMM (faster than a batched one)."""
-    n_b, n_l, n_in = x.shape
-    y = (x.reshape(n_b * n_l, n_in) @ w).reshape(n_b, n_l, w.shape[1])  # (B, L, out)
-    return y if b is None else y + b
-
-
-def split_heads(xp, x, heads: int):
-    """(B, L, heads*D) -> (B, heads, L, D)."""
-    b, l, hd = x.shape
-    return xp.permute_dims(xp.reshape(x, (b, l, heads, hd // heads)), (0, 2, 1, 3))
-
-
-def merge_heads(xp, x):
-    """(B, heads, L, D) -> (B, L, heads*D)."""
-    b, h, l, d = x.shape
-    return xp.reshape(xp.permute_dims(x, (0, 2, 1, 3)), (b, l, h * d))
 
 
 def mha_forward(
@@ -148,23 +149,41 @@ def mha_forward(
             f"query, key and value must share B, and key and value share Lk; got shapes "
             f"{tuple(query.shape)}, {tuple(key_src.shape)}, {tuple(value_src.shape)}"
         )
-    q = split_heads(xp, _linear(query, wq, bq), H)  # (M1) (B, H, Lq, D)
-    k = split_heads(xp, _linear(key_src, wk, bk), Hkv)  # (M1) (B, Hkv, Lk, D)
-    v = split_heads(xp, _linear(value_src, wv, bv), Hkv)  # (M1) (B, Hkv, Lk, Dv)
+    q = split_heads(xp, project(xp, query, wq, bq), H)  # (M1) (B, H, Lq, D)
+    k = split_heads(xp, project(xp, key_src, wk, bk), Hkv)  # (M1) (B, Hkv, Lk, D)
+    v = split_heads(xp, project(xp, value_src, wv, bv), Hkv)  # (M1) (B, Hkv, Lk, Dv)
     o, attn = sdpa_forward(
         q, k, v, mask=mask, key_lengths=key_lengths, key_mask=key_mask, causal=causal, scale=scale,
         impl=impl,
     )  # (M2) (B, H, Lq, Dv)
     c = merge_heads(xp, o)  # (M3) (B, Lq, H*Dv)
-    y = _linear(c, wo, bo)  # (M4) (B, Lq, E_out)
+    y = project(xp, c, wo, bo)  # (M4) (B, Lq, E_out)
     cache = MHACache(dict(params), query, key_src, value_src, sources, c, attn, H, Hkv)
     return y, cache
 
 
-def _weight_grad(xp, x, dy):
-    """sum over batch and length of x^T dy: (B, L, in), (B, L, out) -> (in, out)."""
-    b, l, n_in = x.shape
-    return xp.matrix_transpose(xp.reshape(x, (b * l, n_in))) @ xp.reshape(dy, (b * l, dy.shape[2]))
+def check_cache(cache) -> None:
+    """TypeError unless ``cache`` is the record :func:`mha_forward` returned."""
+    if not isinstance(cache, MHACache):
+        raise TypeError(
+            "cache must be the MHACache that mha_forward returned (its second value); got "
+            f"{type(cache).__name__}"
+        )
+
+
+def check_dy(dy, cache: MHACache) -> None:
+    """dY must be an array of the forward's library and dtype, with the output's shape."""
+    check_array("dy", dy, 3, "(B, Lq, E_out)")
+    ref = cache.context  # the forward's dtype and library
+    lib, ref_lib = type(dy).__module__.split(".")[0], type(ref).__module__.split(".")[0]
+    if lib != ref_lib or dy.dtype != ref.dtype:
+        raise TypeError(
+            f"dy must be a {ref_lib} array of the forward's dtype {dtype_name(ref.dtype)}; got a "
+            f"{lib} {type(dy).__name__} of dtype {dtype_name(dy.dtype)}"
+        )
+    want = (*tuple(ref.shape[:2]), cache.params["W_o"].shape[1])
+    if tuple(dy.shape) != want:
+        raise ValueError(f"dy must have the output's shape (B, Lq, E_out) = {want}; got {tuple(dy.shape)}")
 
 
 def mha_backward(dy, cache: MHACache) -> tuple[dict, dict]:
@@ -175,14 +194,12 @@ def mha_backward(dy, cache: MHACache) -> tuple[dict, dict]:
     fed several projections (self-attention), its gradient is their sum (M9).
     ``param_grads`` has the keys of the parameters.
     """
+    check_cache(cache)
+    check_dy(dy, cache)
     p = cache.params
     xp = namespace(dy, cache.context)
-    check_array("dy", dy, 3, "(B, Lq, E_out)")
-    want = (*tuple(cache.context.shape[:2]), p["W_o"].shape[1])
-    if tuple(dy.shape) != want:
-        raise ValueError(f"dy must have the output's shape (B, Lq, E_out) = {want}; got {tuple(dy.shape)}")
     grads = {}
-    grads["W_o"] = _weight_grad(xp, cache.context, dy)  # (M5) dW_o = C^T dY
+    grads["W_o"] = weight_grad(xp, cache.context, dy)  # (M5) dW_o = C^T dY
     if "b_o" in p:
         grads["b_o"] = xp.sum(dy, axis=(0, 1))  # (M5) db_o = sum dY
     dc = dy @ xp.matrix_transpose(p["W_o"])  # (M5) dC = dY W_o^T  (B, Lq, H*Dv)
@@ -190,7 +207,7 @@ def mha_backward(dy, cache: MHACache) -> tuple[dict, dict]:
     inputs = {}
     for role, x, w, b in (("query", cache.query, "W_q", "b_q"), ("key", cache.key, "W_k", "b_k"), ("value", cache.value, "W_v", "b_v")):
         dproj = merge_heads(xp, g[role[0]])  # (B, L, heads*D): dQ, dK or dV
-        grads[w] = _weight_grad(xp, x, dproj)  # (M7) dW = X^T dQ
+        grads[w] = weight_grad(xp, x, dproj)  # (M7) dW = X^T dQ
         if b in p:
             grads[b] = xp.sum(dproj, axis=(0, 1))  # (M7) db = sum dQ
         dx = dproj @ xp.matrix_transpose(p[w])  # (M8) dX = dQ W^T
@@ -213,20 +230,35 @@ def init_mha_params(
     dtype="float64",
     rng: np.random.Generator | int | None = 0,
 ) -> dict:
-    """Random NumPy parameters (Xavier-uniform weights, small random biases)."""
-    if embed_dim < 1 or num_heads < 1:
-        raise ValueError(f"embed_dim and num_heads must be >= 1; got {embed_dim}, {num_heads}")
+    """Random NumPy parameters (Xavier-uniform weights, small random biases).
+
+    Sizes are positive integers (None: the default named in parentheses): head_dim
+    (embed_dim / num_heads), value_head_dim (head_dim), kdim (embed_dim), vdim (kdim),
+    num_kv_heads (num_heads, a divisor of it).  dtype: a real floating NumPy dtype.  rng:
+    a numpy.random.Generator, a non-negative integer seed, or None (fresh entropy).
+    """
+    embed_dim = check_size("embed_dim", embed_dim)
+    num_heads = check_size("num_heads", num_heads)
+    head_dim = check_size("head_dim", head_dim, optional=True)
+    value_head_dim = check_size("value_head_dim", value_head_dim, optional=True)
+    kdim = check_size("kdim", kdim, optional=True)
+    vdim = check_size("vdim", vdim, optional=True)
+    hkv = check_size("num_kv_heads", num_kv_heads, optional=True) or num_heads
+    if num_heads % hkv:
+        raise ValueError(f"num_kv_heads must divide num_heads={num_heads}; got {num_kv_heads}")
+    if not isinstance(bias, bool | np.bool_):
+        raise TypeError(f"bias must be True or False; got {bias!r}")
+    dtype = check_dtype(dtype)
+    rng = _generator(rng)
     if head_dim is None:
         if embed_dim % num_heads:
-            raise ValueError(f"num_heads={num_heads} must divide embed_dim={embed_dim}")
+            raise ValueError(
+                f"num_heads={num_heads} must divide embed_dim={embed_dim} (or pass head_dim)"
+            )
         head_dim = embed_dim // num_heads
-    hkv = num_heads if num_kv_heads is None else num_kv_heads
-    if hkv < 1 or num_heads % hkv:
-        raise ValueError(f"num_kv_heads must divide num_heads={num_heads}; got {num_kv_heads}")
     dv = head_dim if value_head_dim is None else value_head_dim
     kdim = embed_dim if kdim is None else kdim
     vdim = kdim if vdim is None else vdim
-    rng = np.random.default_rng(rng)
     shapes = {
         "W_q": (embed_dim, num_heads * head_dim),
         "W_k": (kdim, hkv * head_dim),
@@ -241,3 +273,30 @@ def init_mha_params(
         for b, w in zip(BIASES, WEIGHTS, strict=True):
             params[b] = (0.1 * rng.standard_normal(shapes[w][1])).astype(dtype)
     return params
+
+
+def check_dtype(dtype) -> np.dtype:
+    """A real floating NumPy dtype (float16, float32, float64), or TypeError naming dtype."""
+    try:
+        if dtype is None:
+            raise TypeError
+        dt = np.dtype(dtype)
+    except TypeError as exc:
+        raise TypeError(f"dtype must be a real floating NumPy dtype (float16, float32 or "
+                        f"float64); got {dtype!r}") from exc
+    if dt.kind != "f" or dt.itemsize > 8:
+        raise TypeError(f"dtype must be a real floating NumPy dtype (float16, float32 or "
+                        f"float64); got {dt.name}")
+    return dt
+
+
+def _generator(rng) -> np.random.Generator:
+    """numpy.random.Generator from a Generator, a non-negative integer seed or None."""
+    if isinstance(rng, np.random.Generator):
+        return rng
+    if rng is not None and (isinstance(rng, bool | np.bool_) or not isinstance(rng, int | np.integer)):
+        raise TypeError(f"rng must be a numpy.random.Generator, a non-negative integer seed or "
+                        f"None; got {type(rng).__name__}")
+    if rng is not None and rng < 0:
+        raise ValueError(f"rng must be a non-negative integer seed; got {rng}")
+    return np.random.default_rng(rng)
