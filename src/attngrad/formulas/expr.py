@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..core.sdpa import masked_softmax
+from ..ops import merge_heads, split_heads
 
 # precedence: sums bind loosest, products tighter, atoms tightest
 _SUM, _PROD, _ATOM = 1, 2, 3
@@ -287,10 +288,7 @@ class HeadSlice(Expr):
         return "[" + self.children[0].text() + "]_h"
 
     def evaluate(self, env):
-        a = self.children[0].evaluate(env)
-        b, l, hd = a.shape
-        h = env["H"]
-        return np.transpose(np.reshape(a, (b, l, h, hd // h)), (0, 2, 1, 3))
+        return split_heads(np, self.children[0].evaluate(env), env["H"])  # (B, H, L, D)
 
 
 class Concat(Expr):
@@ -314,9 +312,7 @@ class Concat(Expr):
         return "[" + first + ", …, " + last + "]"
 
     def evaluate(self, env):
-        a = self.children[0].evaluate(env)
-        b, h, l, d = a.shape
-        return np.reshape(np.transpose(a, (0, 2, 1, 3)), (b, l, h * d))
+        return merge_heads(np, self.children[0].evaluate(env))  # (B, L, H*D)
 
 
 class MaskedSoftmax(Expr):
