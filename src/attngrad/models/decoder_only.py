@@ -1,6 +1,6 @@
 """Decoder-only (GPT-style, pre-LN) Transformer, forward and backward.
 
-    y = Block^N(embed(ids); causal)         blocks of (T7) with causal self-attention
+    y = Block^N(embed(ids); causal)         blocks of (TB7) with causal self-attention
     logits = head(y)                        (B, L, V)
 
 Parameters: ``emb.W``, ``dec.{i}.*`` (``ln1``, ``attn``, ``ln2``, ``ff1``, ``ff2``),
@@ -59,7 +59,7 @@ def forward(params, cfg: ModelConfig, ids, *, seed=None):
     blocks = []
     for i in range(cfg.dec_layers):
         x, c = encoder_block_forward(sub(params, f"dec.{i}."), x, cfg.spec, causal=True,
-                                     seed=seed_for(seed, 2, i))  # (T7) causal (B, L, E)
+                                     seed=seed_for(seed, 2, i))  # (TB7) causal (B, L, E)
         blocks.append(c)
     logits, c_head = head_forward(params, x, "dec.ln.")  # (B, L, V)
     return logits, DecoderOnlyCache(c_emb, tuple(blocks), c_head)
@@ -71,7 +71,7 @@ def backward(dlogits, cache: DecoderOnlyCache) -> dict:
     grads.update(add_prefix(g_ln, "dec.ln."))
     grads.update(add_prefix(g_out, "out."))
     for i in reversed(range(len(cache.blocks))):
-        dx, g = encoder_block_backward(dx, cache.blocks[i])  # (T7)
+        dx, g = encoder_block_backward(dx, cache.blocks[i])  # (TB7)
         grads.update(add_prefix(g, f"dec.{i}."))
     grads.update(add_prefix(embed_backward(dx, cache.embed), "emb."))
     return grads

@@ -1,7 +1,7 @@
 """Encoder-decoder Transformer ("Attention Is All You Need", pre-LN), forward and backward.
 
-    m = LN_enc(EncoderBlock^Ne(embed(src)))                       encoder  (T7)
-    y = DecoderBlock^Nd(embed(tgt_in), m)                         decoder  (T8)
+    m = LN_enc(EncoderBlock^Ne(embed(src)))                       encoder  (TB7)
+    y = DecoderBlock^Nd(embed(tgt_in), m)                         decoder  (TB8)
     logits = head(y)                                              (B, Lt, V)
 
 Parameters: ``src_emb.W``, ``tgt_emb.W``, ``enc.{i}.*``, ``enc.ln.*``, ``dec.{i}.*``,
@@ -79,7 +79,7 @@ def encode(params, cfg: ModelConfig, src, *, seed=None):
     blocks = []
     for i in range(cfg.enc_layers):
         x, c = encoder_block_forward(sub(params, f"enc.{i}."), x, cfg.spec, key_mask=key_mask,
-                                     seed=seed_for(seed, 1, i))  # (T7) (B, Ls, E)
+                                     seed=seed_for(seed, 1, i))  # (TB7) (B, Ls, E)
         blocks.append(c)
     m, c_ln = layernorm_forward(sub(params, "enc.ln."), x)  # (N1-N4) (B, Ls, E)
     return m, key_mask, EncoderCache(c_emb, tuple(blocks), c_ln)
@@ -92,7 +92,7 @@ def decode(params, cfg: ModelConfig, memory, key_mask, tgt_in, *, seed=None):
     blocks = []
     for i in range(cfg.dec_layers):
         y, c = decoder_block_forward(sub(params, f"dec.{i}."), y, memory, cfg.spec,
-                                     memory_key_mask=key_mask, seed=seed_for(seed, 2, i))  # (T8)
+                                     memory_key_mask=key_mask, seed=seed_for(seed, 2, i))  # (TB8)
         blocks.append(c)
     logits, c_head = head_forward(params, y, "dec.ln.")  # (B, Lt, V)
     return logits, (c_emb, tuple(blocks), c_head)
@@ -114,7 +114,7 @@ def backward(dlogits, cache: EncDecCache) -> dict:
     grads.update(add_prefix(g_out, "out."))
     dmem = None
     for i in reversed(range(len(cache.blocks))):
-        dy, dm, g = decoder_block_backward(dy, cache.blocks[i])  # (T8)
+        dy, dm, g = decoder_block_backward(dy, cache.blocks[i])  # (TB8)
         dmem = dm if dmem is None else dmem + dm  # every decoder layer reads the memory
         grads.update(add_prefix(g, f"dec.{i}."))
     grads.update(add_prefix(embed_backward(dy, cache.embed), "tgt_emb."))
@@ -124,7 +124,7 @@ def backward(dlogits, cache: EncDecCache) -> dict:
     dx, g_ln = layernorm_backward(dmem, enc.ln)
     grads.update(add_prefix(g_ln, "enc.ln."))
     for i in reversed(range(len(enc.blocks))):
-        dx, g = encoder_block_backward(dx, enc.blocks[i])  # (T7)
+        dx, g = encoder_block_backward(dx, enc.blocks[i])  # (TB7)
         grads.update(add_prefix(g, f"enc.{i}."))
     grads.update(add_prefix(embed_backward(dx, enc.embed), "src_emb."))
     return grads

@@ -1,16 +1,16 @@
-"""Pre-LN Transformer blocks built from the attention layer (docs/training.md, T1-T9).
+"""Pre-LN Transformer blocks built from the attention layer (docs/training.md, TB1-TB9).
 
 Each sublayer is a residual around a LayerNorm'd layer, dropout on its output:
 
-    attention sublayer:  h = LN(x)                               (T1)
-                         a = MHA(h [, memory]; masks)            (T2)
-                         y = x + dropout(a)                      (T3)
-    feed-forward:        h = LN(x)                               (T4)
-                         f = act(h W1 + b1) W2 + b2              (T5)
-                         y = x + dropout(f)                      (T6)
-    encoder block  = self-attention sublayer (key padding)  + feed-forward          (T7)
-    decoder block  = causal self-attention + cross-attention + feed-forward         (T8)
-    residual backward: dx = dy + d(sublayer input path)                            (T9)
+    attention sublayer:  h = LN(x)                               (TB1)
+                         a = MHA(h [, memory]; masks)            (TB2)
+                         y = x + dropout(a)                      (TB3)
+    feed-forward:        h = LN(x)                               (TB4)
+                         f = act(h W1 + b1) W2 + b2              (TB5)
+                         y = x + dropout(f)                      (TB6)
+    encoder block  = self-attention sublayer (key padding)  + feed-forward          (TB7)
+    decoder block  = causal self-attention + cross-attention + feed-forward         (TB8)
+    residual backward: dx = dy + d(sublayer input path)                            (TB9)
 
 Parameters are flat mappings with dotted names: ``ln1.g``, ``attn.W_q``, ``ff1.W``, ...
 The backward of each block is its forward read bottom-up, with the same labels.
@@ -72,20 +72,20 @@ class AttnSublayerCache(NamedTuple):
 
 def attn_sublayer_forward(p_ln, p_attn, x, spec: BlockSpec, *, memory=None, key_mask=None,
                           causal=False, seed=None):
-    h, ln = layernorm_forward(p_ln, x, eps=spec.eps)  # (T1) (B, Lq, E)
+    h, ln = layernorm_forward(p_ln, x, eps=spec.eps)  # (TB1) (B, Lq, E)
     a, attn = mha_forward(p_attn, h, memory, num_heads=spec.heads, key_mask=key_mask,
-                          causal=causal)  # (T2) (B, Lq, E)
-    a, drop = dropout_forward(a, spec.dropout, seed)  # (T3)
-    return x + a, AttnSublayerCache(ln, attn, drop, memory is not None)  # (T3) (B, Lq, E)
+                          causal=causal)  # (TB2) (B, Lq, E)
+    a, drop = dropout_forward(a, spec.dropout, seed)  # (TB3)
+    return x + a, AttnSublayerCache(ln, attn, drop, memory is not None)  # (TB3) (B, Lq, E)
 
 
 def attn_sublayer_backward(dy, cache: AttnSublayerCache):
     """-> (dx, d_memory or None, grads_ln, grads_attn)."""
-    da = dropout_backward(dy, cache.drop)  # (T3)
-    dins, g_attn = mha_backward(da, cache.attn)  # (T2)
-    dx_ln, g_ln = layernorm_backward(dins["query"], cache.ln)  # (T1)
-    dmem = dins["key"] if cache.cross else None  # (T2) keys and values share the memory
-    return dy + dx_ln, dmem, g_ln, g_attn  # (T9)
+    da = dropout_backward(dy, cache.drop)  # (TB3)
+    dins, g_attn = mha_backward(da, cache.attn)  # (TB2)
+    dx_ln, g_ln = layernorm_backward(dins["query"], cache.ln)  # (TB1)
+    dmem = dins["key"] if cache.cross else None  # (TB2) keys and values share the memory
+    return dy + dx_ln, dmem, g_ln, g_attn  # (TB9)
 
 
 # ---------------------------------------------------------------- feed-forward sublayer
@@ -102,22 +102,22 @@ class FFNSublayerCache(NamedTuple):
 
 
 def ffn_sublayer_forward(p_ln, p_ff1, p_ff2, x, spec: BlockSpec, *, seed=None):
-    h, ln = layernorm_forward(p_ln, x, eps=spec.eps)  # (T4) (B, L, E)
-    u, ff1 = linear_forward(p_ff1, h)  # (T5) (B, L, F)
-    r, act = activation_forward(u, spec.activation)  # (T5) (B, L, F)
-    f, ff2 = linear_forward(p_ff2, r)  # (T5) (B, L, E)
-    f, drop = dropout_forward(f, spec.dropout, seed)  # (T6)
-    return x + f, FFNSublayerCache(ln, ff1, act, ff2, drop)  # (T6) (B, L, E)
+    h, ln = layernorm_forward(p_ln, x, eps=spec.eps)  # (TB4) (B, L, E)
+    u, ff1 = linear_forward(p_ff1, h)  # (TB5) (B, L, F)
+    r, act = activation_forward(u, spec.activation)  # (TB5) (B, L, F)
+    f, ff2 = linear_forward(p_ff2, r)  # (TB5) (B, L, E)
+    f, drop = dropout_forward(f, spec.dropout, seed)  # (TB6)
+    return x + f, FFNSublayerCache(ln, ff1, act, ff2, drop)  # (TB6) (B, L, E)
 
 
 def ffn_sublayer_backward(dy, cache: FFNSublayerCache):
     """-> (dx, grads_ln, grads_ff1, grads_ff2)."""
-    df = dropout_backward(dy, cache.drop)  # (T6)
-    dr, g2 = linear_backward(df, cache.ff2)  # (T5)
-    du = activation_backward(dr, cache.act)  # (T5)
-    dh, g1 = linear_backward(du, cache.ff1)  # (T5)
-    dx_ln, g_ln = layernorm_backward(dh, cache.ln)  # (T4)
-    return dy + dx_ln, g_ln, g1, g2  # (T9)
+    df = dropout_backward(dy, cache.drop)  # (TB6)
+    dr, g2 = linear_backward(df, cache.ff2)  # (TB5)
+    du = activation_backward(dr, cache.act)  # (TB5)
+    dh, g1 = linear_backward(du, cache.ff1)  # (TB5)
+    dx_ln, g_ln = layernorm_backward(dh, cache.ln)  # (TB4)
+    return dy + dx_ln, g_ln, g1, g2  # (TB9)
 
 
 # ---------------------------------------------------------------- blocks
@@ -152,19 +152,19 @@ def _init_attn(dim, heads, rng, dtype):
 
 
 def encoder_block_forward(params, x, spec: BlockSpec, *, key_mask=None, causal=False, seed=None):
-    """Self-attention (key padding and/or causal) + feed-forward (T7).  X (B, L, E)."""
+    """Self-attention (key padding and/or causal) + feed-forward (TB7).  X (B, L, E)."""
     x, c_attn = attn_sublayer_forward(sub(params, "ln1."), sub(params, "attn."), x, spec,
                                       key_mask=key_mask, causal=causal,
-                                      seed=_seed(seed, 1))  # (T1-T3) (B, L, E)
+                                      seed=_seed(seed, 1))  # (TB1-TB3) (B, L, E)
     x, c_ffn = ffn_sublayer_forward(sub(params, "ln2."), sub(params, "ff1."), sub(params, "ff2."),
-                                    x, spec, seed=_seed(seed, 2))  # (T4-T6) (B, L, E)
+                                    x, spec, seed=_seed(seed, 2))  # (TB4-TB6) (B, L, E)
     return x, EncoderBlockCache(c_attn, c_ffn)
 
 
 def encoder_block_backward(dy, cache: EncoderBlockCache):
     """dY (B, L, E) -> (dX, grads with the keys of the parameters)."""
-    dx, g_ln2, g1, g2 = ffn_sublayer_backward(dy, cache.ffn)  # (T4-T6)
-    dx, _, g_ln1, g_attn = attn_sublayer_backward(dx, cache.attn)  # (T1-T3)
+    dx, g_ln2, g1, g2 = ffn_sublayer_backward(dy, cache.ffn)  # (TB4-TB6)
+    dx, _, g_ln1, g_attn = attn_sublayer_backward(dx, cache.attn)  # (TB1-TB3)
     grads = {}
     for prefix, g in (("ln1.", g_ln1), ("attn.", g_attn), ("ln2.", g_ln2), ("ff1.", g1), ("ff2.", g2)):
         grads.update(add_prefix(g, prefix))
@@ -192,26 +192,26 @@ def init_decoder_block(dim: int, heads: int, ffn: int, rng, dtype="float64") -> 
 
 
 def decoder_block_forward(params, x, memory, spec: BlockSpec, *, memory_key_mask=None, seed=None):
-    """Causal self-attention + cross-attention to ``memory`` + feed-forward (T8).
+    """Causal self-attention + cross-attention to ``memory`` + feed-forward (TB8).
 
     x (B, Lt, E) decoder stream; memory (B, Ls, E) encoder output; memory_key_mask (B, Ls)
     bool, True = a real source token.
     """
     x, c_self = attn_sublayer_forward(sub(params, "ln1."), sub(params, "self_attn."), x, spec,
-                                      causal=True, seed=_seed(seed, 1))  # (T1-T3) (B, Lt, E)
+                                      causal=True, seed=_seed(seed, 1))  # (TB1-TB3) (B, Lt, E)
     x, c_cross = attn_sublayer_forward(sub(params, "ln2."), sub(params, "cross_attn."), x, spec,
                                        memory=memory, key_mask=memory_key_mask,
-                                       seed=_seed(seed, 2))  # (T1-T3) (B, Lt, E)
+                                       seed=_seed(seed, 2))  # (TB1-TB3) (B, Lt, E)
     x, c_ffn = ffn_sublayer_forward(sub(params, "ln3."), sub(params, "ff1."), sub(params, "ff2."),
-                                    x, spec, seed=_seed(seed, 3))  # (T4-T6) (B, Lt, E)
+                                    x, spec, seed=_seed(seed, 3))  # (TB4-TB6) (B, Lt, E)
     return x, DecoderBlockCache(c_self, c_cross, c_ffn)
 
 
 def decoder_block_backward(dy, cache: DecoderBlockCache):
     """dY (B, Lt, E) -> (dX (B, Lt, E), dMemory (B, Ls, E), grads)."""
-    dx, g_ln3, g1, g2 = ffn_sublayer_backward(dy, cache.ffn)  # (T4-T6)
-    dx, dmem, g_ln2, g_cross = attn_sublayer_backward(dx, cache.cross_attn)  # (T1-T3) cross
-    dx, _, g_ln1, g_self = attn_sublayer_backward(dx, cache.self_attn)  # (T1-T3) self
+    dx, g_ln3, g1, g2 = ffn_sublayer_backward(dy, cache.ffn)  # (TB4-TB6)
+    dx, dmem, g_ln2, g_cross = attn_sublayer_backward(dx, cache.cross_attn)  # (TB1-TB3) cross
+    dx, _, g_ln1, g_self = attn_sublayer_backward(dx, cache.self_attn)  # (TB1-TB3) self
     grads = {}
     for prefix, g in (("ln1.", g_ln1), ("self_attn.", g_self), ("ln2.", g_ln2),
                       ("cross_attn.", g_cross), ("ln3.", g_ln3), ("ff1.", g1), ("ff2.", g2)):
