@@ -13,6 +13,9 @@ PyTorch's conventions are translated here, at the edge, and nowhere else:
   through :func:`attngrad.layers.key_mask_from_torch`; float -> added to the logits;
 - ``attn_mask`` bool, True = *not allowed* (the opposite of F.scaled_dot_product_attention),
   (L, S) or (N*num_heads, L, S) -> its negation as attngrad's ``mask``; float -> added;
+- a float mask of 0 and -inf only (torch's canonical form of a boolean mask, which
+  nn.TransformerEncoderLayer and friends pass) that needs no gradient is read as the
+  boolean structure it is; any other float mask is attngrad's ``bias=``;
 - ``is_causal`` is torch's hint that ``attn_mask`` is causal (torch requires the mask
   too); attngrad applies the causal rule (top-left) AND ``attn_mask``.
 
@@ -208,7 +211,7 @@ def _attn_mask(attn_mask, n: int, heads: int, lq: int, lk: int, dtype):
         return ~m, None  # torch: True = NOT allowed; attngrad: True = attend
     if m.dtype != dtype:
         raise TypeError(f"attn_mask must be bool or of query's dtype {dtype}; got {attn_mask.dtype}")
-    return None, m
+    return _structure_or_bias(m)
 
 
 def _key_padding(key_padding_mask, n: int, lk: int, dtype):
@@ -226,4 +229,18 @@ def _key_padding(key_padding_mask, n: int, lk: int, dtype):
             f"key_padding_mask must be bool (True = ignore) or of query's dtype {dtype}; got "
             f"{key_padding_mask.dtype}"
         )
-    return None, key_padding_mask.reshape(n, 1, 1, lk)
+    keys, bias = _structure_or_bias(key_padding_mask)  # (N, S) bool or float
+    return keys, None if bias is None else bias.reshape(n, 1, 1, lk)
+
+
+def _structure_or_bias(m):
+    """A float mask -> (its structure, True = attend, None) or (None, itself as a bias).
+
+    A mask of 0 and -inf only, needing no gradient, is a boolean mask in torch's canonical
+    float form (nn.Transformer* modules convert boolean masks to it): it goes to attngrad's
+    mask rule, exactly (exp(-inf) = 0) and with 0 for rows left with no key.  Any other
+    float mask is added to the logits as attngrad's ``bias=``.
+    """
+    if not m.requires_grad and bool(torch.all((m == 0) | torch.isneginf(m))):
+        return m == 0, None
+    return None, m
