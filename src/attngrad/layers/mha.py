@@ -24,10 +24,11 @@ import numpy as np
 from ..core._xp import Array, check_array, check_float_dtypes, dtype_name, namespace
 from ..core.sdpa import SDPACache, sdpa_backward, sdpa_forward
 from ..ops import merge_heads, project, split_heads, weight_grad
+from .qk_prep import NORM_WEIGHTS, QKPrepCache, check_qk_options, qk_prep_backward, qk_prep_forward
 
 WEIGHTS = ("W_q", "W_k", "W_v", "W_o")
 BIASES = ("b_q", "b_k", "b_v", "b_o")
-PARAM_NAMES = WEIGHTS + BIASES
+PARAM_NAMES = WEIGHTS + BIASES + NORM_WEIGHTS  # q_norm_w, k_norm_w (D,): with qk_norm only
 
 
 class MHACache(NamedTuple):
@@ -46,6 +47,7 @@ class MHACache(NamedTuple):
     attn: SDPACache
     heads: int  # H
     kv_heads: int  # Hkv
+    qk: QKPrepCache | None = None  # QK-norm and RoPE records (QN7), when either is on
 
 
 def check_size(name: str, value, *, optional: bool = False) -> int | None:
@@ -121,14 +123,27 @@ def mha_forward(
     causal=False,
     scale=None,
     impl="auto",
+    rope=None,
+    qk_norm=None,
+    qk_norm_eps=1e-6,
 ):
     """Multi-head attention.  Returns ``(y, cache)``, y of shape (B, Lq, E_out).
 
     query (B, Lq, E); key (B, Lk, kdim), default: query (self-attention); value
     (B, Lk, vdim), default: key.  Masks and ``impl`` ("auto", "dense", "tiled") as in
     :func:`attngrad.sdpa_forward`.
+
+    qk_norm: None, "rms" or "layer" (weight-only LayerNorm): each head's queries and keys
+    are normalised over the head dim D with the weights ``params["q_norm_w"]``,
+    ``params["k_norm_w"]`` (D,), shared by the heads, and epsilon ``qk_norm_eps``.
+    rope: None (off), True (defaults), a dict of the fields of :class:`attngrad.RoPE`
+    (``base`` 10000, ``rotary_dim`` D, ``layout`` "half" | "interleaved",
+    ``q_positions`` / ``k_positions``: integers (L,) or (B, L), default 0 .. L-1), or a
+    RoPE.  Rotary positions are applied to the per-head queries and keys after the
+    projection, after QK-norm when both are on (QN7).
     """
-    H, Hkv, _, _ = check_params(params, num_heads, num_kv_heads)
+    H, Hkv, D, _ = check_params(params, num_heads, num_kv_heads)
+    qk_opts = check_qk_options(params, rope, qk_norm, qk_norm_eps, D)
     key_src = query if key is None else key
     value_src = key_src if value is None else value
     sources = ("query", "query" if key is None else "key", ("query" if key is None else "key") if value is None else "value")
@@ -152,13 +167,16 @@ def mha_forward(
     q = split_heads(xp, project(xp, query, wq, bq), H)  # (M1) (B, H, Lq, D)
     k = split_heads(xp, project(xp, key_src, wk, bk), Hkv)  # (M1) (B, Hkv, Lk, D)
     v = split_heads(xp, project(xp, value_src, wv, bv), Hkv)  # (M1) (B, Hkv, Lk, Dv)
+    qk = None
+    if qk_opts.active:
+        q, k, qk = qk_prep_forward(params, q, k, qk_opts)  # (QN7) (B, H, Lq, D), (B, Hkv, Lk, D)
     o, attn = sdpa_forward(
         q, k, v, mask=mask, key_lengths=key_lengths, key_mask=key_mask, causal=causal, scale=scale,
         impl=impl,
     )  # (M2) (B, H, Lq, Dv)
     c = merge_heads(xp, o)  # (M3) (B, Lq, H*Dv)
     y = project(xp, c, wo, bo)  # (M4) (B, Lq, E_out)
-    cache = MHACache(dict(params), query, key_src, value_src, sources, c, attn, H, Hkv)
+    cache = MHACache(dict(params), query, key_src, value_src, sources, c, attn, H, Hkv, qk)
     return y, cache
 
 
@@ -204,6 +222,9 @@ def mha_backward(dy, cache: MHACache) -> tuple[dict, dict]:
         grads["b_o"] = xp.sum(dy, axis=(0, 1))  # (M5) db_o = sum dY
     dc = dy @ xp.matrix_transpose(p["W_o"])  # (M5) dC = dY W_o^T  (B, Lq, H*Dv)
     g = sdpa_backward(split_heads(xp, dc, cache.heads), cache.attn)  # (M6) per-head A4-A9
+    if cache.qk is not None:
+        g["q"], g["k"], g_norm = qk_prep_backward(g["q"], g["k"], cache.qk)  # (QN8)
+        grads.update(g_norm)  # (QN4) q_norm_w, k_norm_w
     inputs = {}
     for role, x, w, b in (("query", cache.query, "W_q", "b_q"), ("key", cache.key, "W_k", "b_k"), ("value", cache.value, "W_v", "b_v")):
         dproj = merge_heads(xp, g[role[0]])  # (B, L, heads*D): dQ, dK or dV

@@ -17,6 +17,7 @@ import numpy as np
 
 from ..core._xp import check_float_dtypes, dtype_name, is_array
 from .mha import BIASES, WEIGHTS, check_dtype, check_param_arrays, check_params
+from .qk_prep import NORM_WEIGHTS
 
 _IN_PROJ = ("q_proj_weight", "k_proj_weight", "v_proj_weight")
 STATE_KEYS = ("in_proj_weight", *_IN_PROJ, "in_proj_bias", "out_proj.weight", "out_proj.bias")
@@ -119,6 +120,11 @@ def params_to_torch(params) -> dict:
     import torch
 
     check_param_arrays(params)
+    if any(w in params for w in NORM_WEIGHTS):
+        raise ValueError(
+            "torch.nn.MultiheadAttention has no QK-norm: params with q_norm_w / k_norm_w "
+            "cannot be exported to it"
+        )
     check_float_dtypes(dict(params))
     wq, wk, wv, wo = (_np(params[w]) for w in WEIGHTS)
     e = wq.shape[0]

@@ -1,8 +1,8 @@
-"""Models built from attngrad.nn: encoder-decoder and decoder-only Transformers."""
+"""Models built from attngrad.nn: encoder-decoder, decoder-only and Llama-style Transformers."""
 
-from . import decoder_only, encdec
+from . import decoder_only, encdec, llama
 from .common import ModelConfig
 
-MODELS = {"encdec": encdec, "decoder": decoder_only}
+MODELS = {"encdec": encdec, "decoder": decoder_only, "llama": llama}
 
-__all__ = ["MODELS", "ModelConfig", "decoder_only", "encdec"]
+__all__ = ["MODELS", "ModelConfig", "decoder_only", "encdec", "llama"]

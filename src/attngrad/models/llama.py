@@ -1,0 +1,226 @@
+"""A Llama-style decoder-only Transformer, forward and closed-form backward
+(docs/equations.md, LL1-LL6).
+
+    x = Emb[ids]                                                          (E1) no scale, no PE
+    block:  x = x + Attn(RMSNorm(x); causal, RoPE, GQA, [QK-norm])        (LL1)
+            x = x + SwiGLU(RMSNorm(x))                                    (LL2)
+    logits = RMSNorm(x) W_out,  W_out = Emb^T when tied                   (LL5)
+
+No biases anywhere, no dropout; positions enter only through RoPE (R1-R5) inside the
+attention layer.  Parameters: ``emb.W`` (V, E), ``layers.{i}.attn_norm.g``,
+``layers.{i}.attn.{W_q, W_k, W_v, W_o}`` (+ ``q_norm_w``, ``k_norm_w`` with QK-norm),
+``layers.{i}.ffn_norm.g``, ``layers.{i}.ffn.{W_gate, W_up, W_down}``, ``norm.g`` and, when
+the embeddings are untied, ``out.W`` (E, V).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from ..core.rope import RoPE, check_base, check_layout
+from ..layers.mha import MHACache, init_mha_params, mha_backward, mha_forward
+from ..layers.norm import NormCache, check_eps, check_kind
+from ..nn.blocks import add_prefix, sub
+from ..nn.embedding import EmbeddingCache, embedding_backward, embedding_forward
+from ..nn.linear import LinearCache, init_linear, linear_backward, linear_forward
+from ..nn.rmsnorm import init_rmsnorm, rmsnorm_backward, rmsnorm_forward
+from ..nn.swiglu import SwiGLUCache, init_swiglu, swiglu_backward, swiglu_forward
+
+
+def _positive(name, value):
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+        raise ValueError(f"{name} must be a positive integer; got {value!r}")
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Sizes and options of the Llama-style model."""
+
+    vocab: int
+    dim: int = 64  # E
+    heads: int = 4  # H
+    kv_heads: int | None = None  # Hkv (None: H; fewer = grouped-query attention)
+    ffn: int = 128  # F, the SwiGLU hidden width
+    layers: int = 2
+    tie_embeddings: bool = False  # logits = RMSNorm(x) Emb^T
+    qk_norm: str | None = None  # None, "rms" or "layer": per-head norm of q and k
+    rope_base: float = 10000.0
+    rope_layout: str = "half"
+    eps: float = 1e-6  # of every RMSNorm and of QK-norm
+    pad_id: int = 0
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        for name in ("vocab", "dim", "heads", "ffn", "layers"):
+            _positive(name, getattr(self, name))
+        if self.dim % self.heads:
+            raise ValueError(f"heads={self.heads} must divide dim={self.dim}")
+        if (self.dim // self.heads) % 2:
+            raise ValueError(
+                f"the head dim dim/heads = {self.dim // self.heads} must be even for RoPE"
+            )
+        if self.kv_heads is not None:
+            _positive("kv_heads", self.kv_heads)
+            if self.heads % self.kv_heads:
+                raise ValueError(f"kv_heads must divide heads={self.heads}; got {self.kv_heads}")
+        if not isinstance(self.tie_embeddings, bool):
+            raise TypeError(f"tie_embeddings must be True or False; got {self.tie_embeddings!r}")
+        if self.qk_norm is not None:
+            check_kind(self.qk_norm, "qk_norm")
+        check_base(self.rope_base)
+        check_layout(self.rope_layout)
+        check_eps(self.eps)
+        if self.dtype not in ("float32", "float64"):
+            raise ValueError(f"dtype must be 'float32' or 'float64'; got {self.dtype!r}")
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.heads if self.kv_heads is None else self.kv_heads
+
+    @property
+    def rope(self) -> RoPE:
+        return RoPE(base=self.rope_base, layout=self.rope_layout)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# ---------------------------------------------------------------- the block
+
+
+class LlamaBlockCache(NamedTuple):
+    """Records of the two RMSNorms, the attention layer and SwiGLU.  Memory: theirs (the
+    attention's P, B*H*L*L values, is the largest)."""
+
+    attn_norm: NormCache
+    attn: MHACache
+    ffn_norm: NormCache
+    ffn: SwiGLUCache
+
+
+def init_llama_block(cfg: LlamaConfig, rng, dtype) -> dict:
+    attn = init_mha_params(cfg.dim, cfg.heads, num_kv_heads=cfg.num_kv_heads, bias=False,
+                           dtype=dtype, rng=rng)
+    if cfg.qk_norm is not None:
+        d = cfg.dim // cfg.heads
+        attn["q_norm_w"] = np.ones(d, dtype=dtype)
+        attn["k_norm_w"] = np.ones(d, dtype=dtype)
+    p = {}
+    p.update(add_prefix(init_rmsnorm(cfg.dim, dtype), "attn_norm."))
+    p.update(add_prefix(attn, "attn."))
+    p.update(add_prefix(init_rmsnorm(cfg.dim, dtype), "ffn_norm."))
+    p.update(add_prefix(init_swiglu(cfg.dim, cfg.ffn, rng, dtype), "ffn."))
+    return p
+
+
+def llama_block_forward(params, x, cfg: LlamaConfig, *, positions=None):
+    """X (B, L, E) -> (Y (B, L, E), cache): (LL1) then (LL2).  ``positions`` (L,) or
+    (B, L) integers for RoPE (default 0 .. L-1)."""
+    rope = cfg.rope if positions is None else RoPE(
+        base=cfg.rope_base, layout=cfg.rope_layout, q_positions=positions, k_positions=positions)
+    h, c_an = rmsnorm_forward(sub(params, "attn_norm."), x, eps=cfg.eps)  # (LL1) (B, L, E)
+    a, c_attn = mha_forward(sub(params, "attn."), h, num_heads=cfg.heads,
+                            num_kv_heads=cfg.num_kv_heads, causal=True, rope=rope,
+                            qk_norm=cfg.qk_norm, qk_norm_eps=cfg.eps)  # (LL1) (B, L, E)
+    x = x + a  # (LL1) (B, L, E)
+    h, c_fn = rmsnorm_forward(sub(params, "ffn_norm."), x, eps=cfg.eps)  # (LL2) (B, L, E)
+    f, c_ffn = swiglu_forward(sub(params, "ffn."), h)  # (LL2) (B, L, E)
+    return x + f, LlamaBlockCache(c_an, c_attn, c_fn, c_ffn)  # (LL2) (B, L, E)
+
+
+def llama_block_backward(dy, cache: LlamaBlockCache):
+    """dY (B, L, E) -> (dX (B, L, E), grads with the keys of the block's parameters)."""
+    dh, g_ffn = swiglu_backward(dy, cache.ffn)  # (LL2)
+    dx_fn, g_fn = rmsnorm_backward(dh, cache.ffn_norm)  # (LL2)
+    dx = dy + dx_fn  # (LL6) residual
+    dins, g_attn = mha_backward(dx, cache.attn)  # (LL1)
+    dx_an, g_an = rmsnorm_backward(dins["query"], cache.attn_norm)  # (LL1)
+    dx = dx + dx_an  # (LL6) residual
+    grads = {}
+    for prefix, g in (("attn_norm.", g_an), ("attn.", g_attn), ("ffn_norm.", g_fn), ("ffn.", g_ffn)):
+        grads.update(add_prefix(g, prefix))
+    return dx, grads
+
+
+# ---------------------------------------------------------------- the model
+
+
+def init(cfg: LlamaConfig, rng=0) -> dict:
+    rng = np.random.default_rng(rng)
+    dt = cfg.dtype
+    p = {"emb.W": (rng.standard_normal((cfg.vocab, cfg.dim)) / math.sqrt(cfg.dim)).astype(dt)}
+    for i in range(cfg.layers):
+        p.update(add_prefix(init_llama_block(cfg, rng, dt), f"layers.{i}."))
+    p.update(add_prefix(init_rmsnorm(cfg.dim, dt), "norm."))
+    if not cfg.tie_embeddings:
+        p.update(add_prefix(init_linear(cfg.dim, cfg.vocab, rng, bias=False, dtype=dt), "out."))
+    return p
+
+
+class LlamaCache(NamedTuple):
+    emb: EmbeddingCache
+    blocks: tuple  # LlamaBlockCache per layer
+    norm: NormCache
+    out: LinearCache
+    tied: bool
+
+
+def forward(params, cfg: LlamaConfig, ids, *, seed=None):
+    """ids (B, L) -> logits (B, L, V) for next-token prediction (causal).  ``seed`` is
+    accepted for the training loop's sake: this model has no dropout."""
+    x, c_emb = embedding_forward(sub(params, "emb."), np.asarray(ids))  # (E1) (B, L, E)
+    blocks = []
+    for i in range(cfg.layers):
+        x, c = llama_block_forward(sub(params, f"layers.{i}."), x, cfg)  # (LL1, LL2) (B, L, E)
+        blocks.append(c)
+    h, c_norm = rmsnorm_forward(sub(params, "norm."), x, eps=cfg.eps)  # (LL5) (B, L, E)
+    w_out = params["emb.W"].T if cfg.tie_embeddings else params["out.W"]  # (E, V)
+    logits, c_out = linear_forward({"W": w_out}, h)  # (LL5) (B, L, V)
+    return logits, LlamaCache(c_emb, tuple(blocks), c_norm, c_out, cfg.tie_embeddings)
+
+
+def backward(dlogits, cache: LlamaCache) -> dict:
+    grads = {}
+    dh, g_out = linear_backward(dlogits, cache.out)  # (LL5) dW_out = h^T dlogits
+    dx, g_norm = rmsnorm_backward(dh, cache.norm)  # (LL5)
+    grads.update(add_prefix(g_norm, "norm."))
+    for i in reversed(range(len(cache.blocks))):
+        dx, g = llama_block_backward(dx, cache.blocks[i])  # (LL1, LL2)
+        grads.update(add_prefix(g, f"layers.{i}."))
+    d_emb = embedding_backward(dx, cache.emb)["W"]  # (E2) (V, E)
+    if cache.tied:
+        d_emb = d_emb + g_out["W"].T  # (LL5) the tied matrix gets both uses
+    else:
+        grads["out.W"] = g_out["W"]
+    grads["emb.W"] = d_emb
+    return grads
+
+
+def attention_maps(cache: LlamaCache) -> dict:
+    """Probabilities of each layer, (B, H, L, L) (dense attention only)."""
+    maps = []
+    for c in cache.blocks:
+        attn = c.attn.attn
+        b, h, lq, lk = attn.shape.batch, attn.shape.heads, attn.shape.lq, attn.shape.lk
+        maps.append(np.reshape(attn.p, (b, h, lq, lk)))
+    return {"decoder_causal": maps}
+
+
+def greedy_generate(params, cfg: LlamaConfig, prompt, *, eos: int, max_new: int):
+    """prompt (B, Lp) (same length in every row, no padding) -> new ids (B, <= max_new)."""
+    ids = np.asarray(prompt, dtype=np.int64)
+    b, lp = ids.shape
+    done = np.zeros(b, dtype=bool)
+    for _ in range(max_new):
+        logits, _ = forward(params, cfg, ids)
+        nxt = np.argmax(logits[:, -1], axis=-1)  # (B,)
+        nxt = np.where(done, cfg.pad_id, nxt)
+        ids = np.concatenate([ids, nxt[:, None]], axis=1)
+        done |= nxt == eos
+        if done.all():
+            break
+    return ids[:, lp:]

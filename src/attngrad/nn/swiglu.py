@@ -1,0 +1,73 @@
+"""SwiGLU feed-forward of Llama, no biases (docs/equations.md, LL3-LL4).
+
+    a = h W_gate,  u = h W_up,  sigma = 1 / (1 + exp(-a))                  (LL3)
+    z = silu(a) * u = a sigma * u,  f = z W_down
+backward:
+    dW_down = z^T df,  dz = df W_down^T                                    (LL4)
+    du = dz * silu(a),  da = dz * u * sigma (1 + a (1 - sigma))
+    dW_gate = h^T da,  dW_up = h^T du,  dh = da W_gate^T + du W_up^T
+
+W_gate and W_up are (E, F), W_down (F, E); the products are the bias-free linears of
+nn/linear.py (F1-F3).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from .linear import LinearCache, linear_backward, linear_forward
+
+SWIGLU_PARAMS = ("W_gate", "W_up", "W_down")
+
+
+class SwiGLUCache(NamedTuple):
+    """What :func:`swiglu_backward` needs.  Memory: a, u, sigma (3 * B*L*F values) and the
+    records of the three linears (their inputs h and z, by reference)."""
+
+    gate: LinearCache
+    up: LinearCache
+    down: LinearCache
+    a: np.ndarray  # (B, L, F) gate pre-activation
+    u: np.ndarray  # (B, L, F) up projection
+    sigma: np.ndarray  # (B, L, F) sigmoid(a)
+
+
+def init_swiglu(dim: int, hidden: int, rng: np.random.Generator, dtype="float64") -> dict:
+    """Xavier-uniform weights, no biases."""
+    p = {}
+    for name, (n_in, n_out) in (("W_gate", (dim, hidden)), ("W_up", (dim, hidden)), ("W_down", (hidden, dim))):
+        limit = np.sqrt(6.0 / (n_in + n_out))
+        p[name] = rng.uniform(-limit, limit, size=(n_in, n_out)).astype(dtype)
+    return p
+
+
+def sigmoid(a):
+    """1 / (1 + exp(-a)), finite for every finite a (tanh form: no overflow)."""
+    return 0.5 * (1.0 + np.tanh(0.5 * a))
+
+
+def swiglu_forward(params, h):
+    """params {"W_gate", "W_up": (E, F), "W_down": (F, E)}, H (..., E) -> (F (..., E), cache)."""
+    missing = [k for k in SWIGLU_PARAMS if k not in params]
+    if missing:
+        raise ValueError(f"params is missing SwiGLU weights {missing}; expected {list(SWIGLU_PARAMS)}")
+    a, gate = linear_forward({"W": params["W_gate"]}, h)  # (LL3) (..., F)
+    u, up = linear_forward({"W": params["W_up"]}, h)  # (LL3) (..., F)
+    sigma = sigmoid(a)  # (LL3) (..., F)
+    z = a * sigma * u  # (LL3) silu(a) * u  (..., F)
+    f, down = linear_forward({"W": params["W_down"]}, z)  # (LL3) (..., E)
+    return f, SwiGLUCache(gate, up, down, a, u, sigma)
+
+
+def swiglu_backward(df, cache: SwiGLUCache):
+    """dF (..., E) -> (dH (..., E), {"W_gate", "W_up", "W_down"})."""
+    a, u, sigma = cache.a, cache.u, cache.sigma
+    dz, g_down = linear_backward(df, cache.down)  # (LL4) dW_down = z^T df, dz = df W_down^T
+    du = dz * (a * sigma)  # (LL4) (..., F)
+    da = dz * u * (sigma * (1.0 + a * (1.0 - sigma)))  # (LL4) silu'(a)  (..., F)
+    dh_gate, g_gate = linear_backward(da, cache.gate)  # (LL4) (..., E)
+    dh_up, g_up = linear_backward(du, cache.up)  # (LL4) (..., E)
+    dh = dh_gate + dh_up  # (LL4) (..., E)
+    return dh, {"W_gate": g_gate["W"], "W_up": g_up["W"], "W_down": g_down["W"]}
