@@ -145,8 +145,8 @@ def launch_local(argv: list[str], nproc: int, *, port: int | None = None, timeou
             if r == 0 and echo_rank0:
                 out = err = None
             else:
-                out = open(logs / f"rank{r}.out", "w")  # noqa: SIM115 - closed below
-                err = open(logs / f"rank{r}.err", "w")  # noqa: SIM115
+                out = open(logs / f"rank{r}.out", "w")  # closed below
+                err = open(logs / f"rank{r}.err", "w")
                 files += [out, err]
             procs.append(subprocess.Popen([sys.executable, *argv], env=e, stdout=out, stderr=err,
                                           stdin=subprocess.DEVNULL, start_new_session=True))
