@@ -386,3 +386,61 @@ def test_mixed_array_libraries_are_refused():
         _sdpa(bias=torch.zeros(LQ, LK, dtype=torch.float64))
     with pytest.raises(TypeError, match=r"W_q is a torch Tensor but query is a numpy ndarray"):
         _mha(params=_with(W_q=torch.tensor(PARAMS["W_q"])))
+
+
+# --- the Jacobian module (issue 9, items 9 and 10): one scale rule, clear errors
+
+
+def _jacobian_calls():
+    from attngrad.jacobian import mha_hvp, mha_jacobian, mha_jvp, sdpa_hvp, sdpa_jacobian, sdpa_jvp
+
+    g = np.ones((B, H, LQ, DV))
+    return {
+        "sdpa_jvp": lambda s: sdpa_jvp(Q, K, V, scale=s),
+        "sdpa_jacobian": lambda s: sdpa_jacobian(Q, K, V, "q", scale=s),
+        "sdpa_hvp": lambda s: sdpa_hvp(Q, K, V, cotangent=g, scale=s),
+        "mha_jvp": lambda s: mha_jvp(PARAMS, X, num_heads=2, scale=s),
+        "mha_jacobian": lambda s: mha_jacobian(PARAMS, X, wrt="b_o", num_heads=2, scale=s),
+        "mha_hvp": lambda s: mha_hvp(PARAMS, X, cotangent=np.ones((B, LQ, E)), num_heads=2, scale=s),
+        "mha_forward": lambda s: mha_forward(PARAMS, X, num_heads=2, scale=s),
+    }
+
+
+BAD_SCALES = [
+    (True, TypeError, r"scale must be a finite real number; got a bool"),
+    (np.bool_(False), TypeError, r"scale must be a finite real number; got a bool"),
+    (float("nan"), ValueError, r"scale must be a finite real number; got nan"),
+    (-np.inf, ValueError, r"scale must be a finite real number; got -inf"),
+    (1 + 0j, TypeError, r"scale must be a finite real number; got complex"),
+    ("0.5", TypeError, r"scale must be a finite real number; got str"),
+]
+
+
+@pytest.mark.parametrize("entry", list(_jacobian_calls()))
+def test_one_scale_rule_for_every_entry_point(entry):
+    call = _jacobian_calls()[entry]
+    for bad, exc, match in BAD_SCALES:
+        with pytest.raises(exc, match=match):
+            call(bad)
+    for good in (np.float32(0.5), np.int64(2), -1.5, 0.0, 0, -2):
+        call(good)  # accepted
+
+
+def test_jacobian_module_errors_name_the_argument():
+    from attngrad.jacobian import jacobian_to_columns, mha_hvp, mha_jvp
+
+    with pytest.raises(TypeError, match=r"tangents must be a mapping from parameter or input names to arrays .*; got list"):
+        mha_jvp(PARAMS, X, tangents=[1], num_heads=2)
+    with pytest.raises(TypeError, match=r"tangents must be a mapping .*; got ndarray"):
+        mha_jvp(PARAMS, X, tangents=X, num_heads=2)
+    batched = {"W_q": np.ones((3, E, E))}
+    with pytest.raises(ValueError, match=r"mha_hvp takes one direction: tangents\['W_q'\] must have the shape of W_q, \(8, 8\); got \(3, 8, 8\)"):
+        mha_hvp(PARAMS, X, tangents=batched, cotangent=np.ones((B, LQ, E)), num_heads=2)
+    with pytest.raises(ValueError, match=r"mha_hvp takes one direction: tangents\['query'\] must have the shape of query, \(2, 3, 8\); got \(4, 2, 3, 8\)"):
+        mha_hvp(PARAMS, X, tangents={"query": np.ones((4, *X.shape))}, target=np.ones((B, LQ, E)), num_heads=2)
+    with pytest.raises(ValueError, match=r"jac must be a layer Jacobian, a NumPy array \(B, Lq, E_out, \*W_q.shape\) .* 5 dimensions; got \(3,\)"):
+        jacobian_to_columns(np.ones(3), "W_q")
+    with pytest.raises(ValueError, match=r"jac must be a layer Jacobian.* 6 dimensions; got list"):
+        jacobian_to_columns([1.0], "query")
+    with pytest.raises(ValueError, match=r"wrt must be an input \('query', 'key', 'value'\) or a parameter name .*; got 'W_z'"):
+        jacobian_to_columns(np.ones((1, 2, 3, 4, 5)), "W_z")

@@ -139,3 +139,36 @@ def test_hvp_bad_arguments():
         sdpa_hvp(a["q"], a["k"], a["v"], cotangent=g[:, :1])
     with pytest.raises(TypeError, match="float64"):
         sdpa_hvp(a["q"], a["k"], a["v"], cotangent=g.astype(np.float32))
+
+
+@pytest.mark.parametrize("scale", [-0.8, 0.0, np.float32(0.5), np.int64(-2)], ids=repr)
+def test_hvp_at_every_finite_real_scale(scale):
+    """Issue 9, items 9-10: 0, negative and NumPy scalar scales, against double backward."""
+    rng = np.random.default_rng(3)
+    s = float(scale)
+    a = attention_inputs(rng, B, 2, 1, 3, 4, D, DV)
+    allowed = allowed_structure(B, 2, 3, 4)
+    args = [a["q"], a["k"], a["v"]]
+    direction = [rng.standard_normal(x.shape) for x in args]
+    g = rng.standard_normal((B, 2, 3, DV))
+    res = sdpa_hvp(*args, *direction, cotangent=g, scale=scale)
+    grads, hv = _double_backward(lambda *t: torch_attention(*t, allowed, scale=s), args,
+                                 lambda o: (o * torch.tensor(g)).sum(), direction)
+    assert_close_rel(res.hvp, dict(zip("qkv", hv, strict=True)), what=f"scale={scale!r} Hv ")
+    assert_close_rel(res.grads, dict(zip("qkv", grads, strict=True)), what=f"scale={scale!r} grad ")
+    params = init_mha_params(E, H, rng=rng)
+    x = rng.standard_normal((B, LQ, E))
+    names = list(params)
+    args = [params[n] for n in names] + [x]
+    direction = [rng.standard_normal(t.shape) for t in args]
+    g = rng.standard_normal((B, LQ, E))
+    res = mha_hvp(params, x, tangents=dict(zip([*names, "query"], direction, strict=True)), cotangent=g,
+                  num_heads=H, scale=scale)
+    self_allowed = allowed_structure(B, H, LQ, LQ)
+
+    def f(*t):
+        return torch_mha(dict(zip(names, t[:-1], strict=True)), t[-1], t[-1], t[-1], num_heads=H,
+                         num_kv_heads=H, allowed=self_allowed, scale=s)
+
+    grads, hv = _double_backward(f, args, lambda y: (y * torch.tensor(g)).sum(), direction)
+    assert_close_rel(res.hvp, dict(zip([*names, "query"], hv, strict=True)), what=f"scale={scale!r} layer Hv ")

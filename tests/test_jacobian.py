@@ -228,3 +228,49 @@ def test_mha_jacobian_grouped_query_attention(method):
     got = {w: mha_jacobian(params, x, m, wrt=w, method=method, num_heads=h, num_kv_heads=hkv, key_lengths=kl)
            for w in wrts}
     assert_close_rel(got, {w: refs[i].numpy() for i, w in enumerate(wrts)}, what="GQA dY/d")
+
+
+SCALES = [-0.7, 0.0, 0, -3, np.float32(0.5), np.int64(2), np.float64(-1.25)]  # issue 9, items 9-10
+
+
+@pytest.mark.parametrize("scale", SCALES, ids=repr)
+def test_every_finite_real_scale_vs_jacrev(scale):
+    """One scale rule: NumPy scalars, 0 and negative scales are accepted, and the Jacobians and
+    JVPs at that scale are jacrev's (the classic question writes softmax(λ xᵀAᵀBy), λ ∈ ℝ)."""
+    rng, a, masks, allowed = _attn_case(2, 1, 3, 4, "key_lengths", seed=3)
+    s = float(scale)
+    q, k, v = (torch.tensor(a[n]) for n in "qkv")
+    for i, name in enumerate("qkv"):
+        ref = jacrev(lambda *t: torch_attention(*t, allowed, scale=s), argnums=i)(q, k, v).numpy()
+        for method in ("closed", "jvp"):
+            got = sdpa_jacobian(a["q"], a["k"], a["v"], name, method=method, scale=scale, **masks)
+            assert_close_rel({name: got}, {name: ref}, what=f"scale={scale!r} {method} d out/d ")
+    tq = rng.standard_normal(a["q"].shape)
+    _, tout = sdpa_jvp(a["q"], a["k"], a["v"], tq, scale=scale, **masks)
+    _, ref = torch.func.jvp(lambda t: torch_attention(t, k, v, allowed, scale=s), (q,), (torch.tensor(tq),))
+    assert_close_rel({"tout": tout}, {"tout": ref.numpy()}, what=f"scale={scale!r} ")
+    params = init_mha_params(E, H, rng=rng)
+    x = rng.standard_normal((B, LQ, E))
+    names = list(params)
+
+    def f(*t):
+        return torch_mha(dict(zip(names, t[:-1], strict=True)), t[-1], t[-1], t[-1], num_heads=H,
+                         num_kv_heads=H, allowed=allowed_structure(B, H, LQ, LQ), scale=s)
+
+    refs = jacrev(f, argnums=(0, len(names)))(*(torch.tensor(params[n]) for n in names), torch.tensor(x))
+    got = {w: mha_jacobian(params, x, wrt=w, num_heads=H, scale=scale) for w in ("W_q", "query")}
+    assert_close_rel(got, {"W_q": refs[0].numpy(), "query": refs[1].numpy()}, what=f"scale={scale!r} dY/d")
+
+
+def test_sdpa_hvp_takes_a_batch_of_directions():
+    """A batch of directions (leading axis) gives each direction's HVP; mha_hvp refuses one."""
+    from attngrad.jacobian import sdpa_hvp
+
+    rng, a, masks, _ = _attn_case(2, 1, 3, 4, "key_lengths", seed=4)
+    g = rng.standard_normal((B, 2, 3, DV))
+    tq = rng.standard_normal((3, *a["q"].shape))
+    batched = sdpa_hvp(a["q"], a["k"], a["v"], tq, cotangent=g, **masks)
+    for i in range(3):
+        one = sdpa_hvp(a["q"], a["k"], a["v"], tq[i], cotangent=g, **masks)
+        for n in "qkv":
+            np.testing.assert_allclose(batched.hvp[n][i], one.hvp[n], rtol=1e-12, atol=1e-14)

@@ -275,3 +275,85 @@ def test_fully_padded_sequence_gives_zero_attention_and_finite_gradients(flavor)
     assert np.all(grads["X"][2] == 0.0)  # nothing reached the attention of batch element 2
     if flavor == "cross":
         assert np.all(grads["M"][2] == 0.0)
+
+
+# ------------------------------------------------ issue 9: scale, and the shared ops
+
+
+@pytest.mark.parametrize("scale", [-0.6, 0.0, 0, np.float32(0.5), np.int64(3)], ids=repr)
+@pytest.mark.parametrize("impl", ["dense", "tiled"])
+def test_every_finite_real_scale_matches_autograd(scale, impl):
+    """Issue 9, item 10: any finite real scale, negative and 0 included, NumPy scalars too."""
+    params, inputs, kwargs, upstream, allowed = build("cross", "all", 4, 2, 3, 5, E, E, "key_lengths", seed=4)
+    y, cache = mha_forward(params, inputs["X"], inputs["M"], scale=scale, impl=impl, **kwargs)
+    dinputs, dparams = mha_backward(upstream, cache)
+    leaves = {n: torch.tensor(a, requires_grad=True) for n, a in {**inputs, **params}.items()}
+    t_y = torch_mha(leaves, leaves["X"], leaves["M"], leaves["M"], num_heads=4, num_kv_heads=2,
+                    allowed=allowed, scale=float(scale))
+    (t_y * torch.tensor(upstream)).sum().backward()
+    assert_close_rel({"Y": y}, {"Y": t_y.detach().numpy()})
+    assert_close_rel({"X": dinputs["query"], "M": dinputs["key"], **dparams},
+                     {n: t.grad.numpy() for n, t in leaves.items()})
+
+
+def test_split_and_merge_heads_are_inverse_with_leading_axes():
+    from attngrad.ops import merge_heads, split_heads
+
+    x = np.arange(5 * 2 * 3 * 12, dtype=float).reshape(5, 2, 3, 12)  # (n, B, L, heads*D)
+    h = split_heads(np, x, 4)  # (n, B, 4, L, 3)
+    assert h.shape == (5, 2, 4, 3, 3)
+    np.testing.assert_array_equal(h[1, 0, 2, 1], x[1, 0, 1, 6:9])  # head 2 = columns 6..8
+    np.testing.assert_array_equal(merge_heads(np, h), x)
+    t = torch.tensor(x)
+    assert torch.equal(split_heads(array_namespace(t), t, 4), torch.tensor(h))
+
+
+def array_namespace(t):
+    from attngrad.core._xp import namespace
+
+    return namespace(t)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("rows", [7, 256, 300])
+def test_projection_and_weight_gradient(dtype, rows):
+    """ops.project / ops.weight_grad, the one projection the layer and nn.linear share: the
+    float32 path sums blocks of 128 rows; every path stays within rounding of float64."""
+    from attngrad.ops import project, weight_grad
+
+    rng = np.random.default_rng(rows)
+    x = rng.standard_normal((rows // 4 or 1, 4 if rows > 7 else rows, 64)).astype(dtype)
+    dy = rng.standard_normal((*x.shape[:2], 96)).astype(dtype)
+    w, b = rng.standard_normal((64, 96)).astype(dtype), rng.standard_normal(96).astype(dtype)
+    ref_y = np.einsum("bli,io->blo", x.astype(float), w.astype(float)) + b
+    ref_g = np.einsum("bli,blo->io", x.astype(float), dy.astype(float))
+    tol = 1e-12 if dtype == np.float64 else 2e-5
+    y, g = project(np, x, w, b), weight_grad(np, x, dy)
+    assert y.dtype == g.dtype == dtype
+    np.testing.assert_allclose(y, ref_y, rtol=tol, atol=tol * np.abs(ref_y).max())
+    np.testing.assert_allclose(g, ref_g, rtol=tol, atol=tol * np.abs(ref_g).max())
+    t = weight_grad(array_namespace(torch.tensor(x)), torch.tensor(x), torch.tensor(dy))
+    np.testing.assert_allclose(t.numpy(), g, rtol=tol, atol=tol * np.abs(ref_g).max())
+
+
+def test_the_layer_and_the_linear_layer_share_one_weight_gradient(monkeypatch):
+    """The attention layer's four weight gradients and nn.linear's are ops.weight_grad."""
+    import attngrad.layers.mha as mha_mod
+    import attngrad.nn.linear as linear_mod
+    from attngrad.ops import weight_grad
+
+    calls = []
+
+    def spy(xp, x, dy):
+        calls.append(x.shape)
+        return weight_grad(xp, x, dy)
+
+    monkeypatch.setattr(mha_mod, "weight_grad", spy)
+    monkeypatch.setattr(linear_mod, "weight_grad", spy)
+    params, inputs, kwargs, upstream, _ = build("self", "all", 2, 2, 4, 4, E, E, "none")
+    _, cache = mha_forward(params, inputs["X"], **kwargs)
+    mha_backward(upstream, cache)
+    assert len(calls) == 4
+    _, lc = linear_mod.linear_forward({"W": params["W_q"]}, inputs["X"])
+    linear_mod.linear_backward(upstream, lc)
+    assert len(calls) == 5
