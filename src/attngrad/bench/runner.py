@@ -2,16 +2,26 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import platform
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..core.parallel import available_cores
+from ..core.parallel import available_cores, check_threads
+from ..resources import require_memory
 from .contenders import ATTENTION, REFERENCE, Case, contender, library
 from .memory import measure
 from .timing import summarize, time_round_robin
+
+MAX_SETTLE = 10.0  # seconds of idle before a timed call; more is a mistake, not a setting
+
+
+def _positive(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer; got {value!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -38,16 +48,25 @@ class BenchConfig:
     seed: int = 0
 
     def __post_init__(self):
-        for name in ("batch", "heads", "head_dim", "rounds"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer; got {value!r}")
-        if not self.sizes or any(not isinstance(n, int) or n < 1 for n in self.sizes):
+        for name in ("batch", "heads", "head_dim", "rounds", "memory_max_dense_n"):
+            _positive(name, getattr(self, name))
+        for name in ("block_q", "block_k"):
+            if getattr(self, name) is not None:
+                _positive(name, getattr(self, name))
+        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
+            raise ValueError(f"warmup must be an integer >= 0; got {self.warmup!r}")
+        if self.threads is not None:
+            check_threads(self.threads)
+        if not self.sizes or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.sizes):
             raise ValueError(f"sizes must be positive integers; got {self.sizes!r}")
-        if len(self.layer_shape) != 4 or self.layer_shape[2] % self.layer_shape[3]:
-            raise ValueError(f"layer_shape must be (B, N, E, H) with H dividing E; got {self.layer_shape!r}")
-        if not self.settle >= 0:
-            raise ValueError(f"settle must be >= 0 seconds; got {self.settle!r}")
+        if not self.causal or any(not isinstance(c, bool) for c in self.causal):
+            raise ValueError(f"causal must be a non-empty tuple of booleans; got {self.causal!r}")
+        shape = self.layer_shape
+        if (len(shape) != 4 or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in shape)
+                or shape[2] % shape[3]):
+            raise ValueError(f"layer_shape must be (B, N, E, H), positive, with H dividing E; got {shape!r}")
+        if not (isinstance(self.settle, int | float) and 0 <= self.settle <= MAX_SETTLE):
+            raise ValueError(f"settle must be a number of seconds in [0, {MAX_SETTLE:g}]; got {self.settle!r}")
         if self.dtype not in ("float32", "float64"):
             raise ValueError(f"dtype must be 'float32' or 'float64'; got {self.dtype!r}")
         for name in self.contenders:
@@ -106,20 +125,83 @@ def _run_cases(result: BenchResult, cases: list, names: tuple, cfg: BenchConfig)
             result.rows.append(row)
 
 
+def selected(cfg: BenchConfig) -> tuple:
+    """Every contender the run will build: the attention ones and, with the layer, the layer ones."""
+    return cfg.contenders + (cfg.layer_contenders if cfg.layer else ())
+
+
+def require_torch(cfg: BenchConfig) -> None:
+    """ImportError naming the extra to install when a selected contender needs PyTorch."""
+    need = [n for n in selected(cfg) if library(n) == "torch"]
+    if need and importlib.util.find_spec("torch") is None:
+        ours = ",".join(n for n in cfg.contenders if library(n) != "torch") or "attngrad_dense,attngrad_tiled"
+        raise ImportError(
+            f"the contenders {', '.join(need)} need PyTorch: pip install 'attngrad[torch]' "
+            f"(or leave them out: --contenders {ours} --layer-contenders attngrad_mha)"
+        )
+
+
+def _cases(cfg: BenchConfig) -> tuple[list, Case | None]:
+    cases = [Case(cfg.batch, cfg.heads, n, cfg.head_dim, cfg.dtype, c, "attention", cfg.block_q,
+                  cfg.block_k, cfg.threads, cfg.seed) for n in cfg.sizes for c in cfg.causal]
+    layer = None
+    if cfg.layer:
+        b, n, e, h = cfg.layer_shape
+        layer = Case(b, h, n, e, cfg.dtype, False, "layer", cfg.block_q, cfg.block_k, cfg.threads, cfg.seed)
+    return cases, layer
+
+
+DENSE_MAX_LOGITS = 2**24  # the layer's impl="auto" keeps P below this many logits (core's rule)
+
+
+def _step_bytes(case: Case, name: str) -> tuple[float, float]:
+    """(bytes of a contender's inputs, kept while every contender of the case is built;
+    peak extra bytes of one forward + backward).  Rough, within a small factor."""
+    item = np.dtype(case.dtype).itemsize
+    b, h, n = case.batch, case.heads, case.n
+    if case.kind == "layer":
+        e = case.d
+        inputs = (4 * e * e + 2 * b * n * e) * item
+        dense = name == "attngrad_mha_dense" or (name in ("torch_mha", "attngrad_mha")
+                                                 and b * h * n * n < DENSE_MAX_LOGITS)
+        peak = 12 * b * n * e * item + (4 * b * h * n * n * item if dense else 0)
+        return inputs, peak
+    inputs = 4 * b * h * n * case.d * item  # q, k, v, dO
+    peak = 8 * b * h * n * case.d * item  # outputs, gradients, lse, tiles
+    if _keeps_nxn(name):
+        peak += 4 * b * h * n * n * item  # S, P, dP, dS
+    return inputs, peak
+
+
+def estimate_memory(cfg: BenchConfig) -> float:
+    """Rough peak bytes of the run: per case, every contender's inputs plus the largest step."""
+    cases, layer = _cases(cfg)
+    worst = 0.0
+    for case, names in [(c, cfg.contenders) for c in cases] + ([(layer, cfg.layer_contenders)] if layer else []):
+        sizes = [_step_bytes(case, name) for name in names]
+        worst = max(worst, sum(i for i, _ in sizes) + max(p for _, p in sizes))
+    return worst
+
+
 def run_bench(cfg: BenchConfig) -> BenchResult:
-    """Time (round robin, medians) and measure (fresh processes) every contender."""
+    """Time (round robin, medians) and measure (fresh processes) every contender.
+
+    Refused before any work: a selected torch contender without PyTorch (ImportError
+    naming the extra), a run whose estimated memory exceeds the machine's available
+    memory (:class:`attngrad.resources.ResourceError`, a ValueError)."""
+    require_torch(cfg)
+    require_memory(estimate_memory(cfg), "this benchmark",
+                   hint="use smaller --sizes, --batch, --heads or --head-dim, or leave out the "
+                        "contenders that keep N x N (torch_naive, attngrad_dense)")
     threads = cfg.threads or available_cores()
     result = BenchResult(cfg, environment=_environment(threads))
     if any(library(n) == "torch" for n in cfg.contenders + cfg.layer_contenders):
         import torch
 
         torch.set_num_threads(threads)
-    cases = [Case(cfg.batch, cfg.heads, n, cfg.head_dim, cfg.dtype, c, "attention", cfg.block_q,
-                  cfg.block_k, cfg.threads, cfg.seed) for n in cfg.sizes for c in cfg.causal]
+    cases, layer = _cases(cfg)
     _run_cases(result, cases, cfg.contenders, cfg)
-    if cfg.layer:
-        b, n, e, h = cfg.layer_shape
-        layer = Case(b, h, n, e, cfg.dtype, False, "layer", cfg.block_q, cfg.block_k, cfg.threads, cfg.seed)
+    if layer is not None:
         _run_cases(result, [layer], cfg.layer_contenders, cfg)
     if hasattr(os, "getloadavg"):
         result.environment["loadavg_end"] = os.getloadavg()[0]

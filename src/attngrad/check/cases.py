@@ -18,6 +18,7 @@ from ..layers.mha import init_mha_params, mha_forward
 FLAVORS = ("self", "cross", "causal")
 MASK_KINDS = ("padding", "random", "causal")
 DTYPES = ("float64", "float32")
+DEFAULT_LK = 7
 
 FLAVOR_TITLES = {
     "self": "encoder self-attention  f(X)",
@@ -42,10 +43,10 @@ class CheckConfig:
     kv_heads: int | None = None  # Hkv (default H)
     width: int = 8  # E
     lq: int = 5  # Lq: decoder / query length (self and causal use it for both)
-    lk: int = 7  # Lk: encoder length for cross-attention
+    lk: int | None = None  # Lk: encoder length for cross-attention (None: DEFAULT_LK)
     bias: bool = True
     masks: tuple = ("padding",)
-    causal_align: str = "top_left"
+    causal_align: str | None = None  # when Lq != Lk under a causal mask (None: top_left)
     dtype: str = "float64"
     seed: int = 0
     extra: dict = field(default_factory=dict)
@@ -58,7 +59,8 @@ class CheckConfig:
         _positive("heads", self.heads)
         _positive("width", self.width)
         _positive("lq", self.lq)
-        _positive("lk", self.lk)
+        if self.lk is not None:
+            _positive("lk", self.lk)
         _positive("seed", self.seed, 0)
         hkv = self.heads if self.kv_heads is None else _positive("kv_heads", self.kv_heads)
         if self.heads % hkv:
@@ -68,16 +70,50 @@ class CheckConfig:
         for m in self.masks:
             if m not in MASK_KINDS:
                 raise ValueError(f"mask kind must be some of {', '.join(MASK_KINDS)} or none; got {m!r}")
-        if self.causal_align not in CAUSAL_ALIGNMENTS:
+        if self.causal_align is not None and self.causal_align not in CAUSAL_ALIGNMENTS:
             raise ValueError(
                 f"causal_align must be one of {', '.join(CAUSAL_ALIGNMENTS)}; got {self.causal_align!r}"
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        self._refuse_what_cannot_apply()
+
+    def _refuse_what_cannot_apply(self) -> None:
+        """An option given for a run it cannot affect is an error, not silently ignored."""
+        flavors = ", ".join(self.flavors)
+        if self.lk is not None and "cross" not in self.flavors:
+            raise ValueError(
+                f"lk={self.lk} cannot apply to flavor {flavors}: only cross-attention has a key "
+                f"length of its own (self and causal attention use Lq={self.lq} for the keys); "
+                "run flavor cross or all"
+            )
+        if self.causal_align is not None:
+            applies = "cross" in self.flavors and "causal" in self.masks and self.key_length != self.lq
+            if not applies:
+                raise ValueError(
+                    f"causal_align={self.causal_align!r} cannot apply: the alignment matters only "
+                    "when Lq != Lk under a causal mask, i.e. for flavor cross with masks including "
+                    f"causal and lk != lq; here flavor {flavors}, masks {', '.join(self.masks) or 'none'}, "
+                    f"lq={self.lq}, lk={self.key_length}"
+                )
 
     @property
     def num_kv_heads(self) -> int:
         return self.heads if self.kv_heads is None else self.kv_heads
+
+    @property
+    def key_length(self) -> int:
+        """Lk of cross-attention."""
+        return DEFAULT_LK if self.lk is None else self.lk
+
+    @property
+    def alignment(self) -> str:
+        """The causal alignment used when Lq != Lk."""
+        return "top_left" if self.causal_align is None else self.causal_align
+
+    def lengths(self, flavor: str) -> tuple[int, int]:
+        """(Lq, Lk) of ``flavor``: only cross-attention has keys of another length."""
+        return self.lq, (self.key_length if flavor == "cross" else self.lq)
 
 
 class MaskData(NamedTuple):
@@ -122,8 +158,7 @@ def build_case(flavor: str, cfg: CheckConfig) -> Case:
     rng = np.random.default_rng([cfg.seed, FLAVORS.index(flavor)])
     dt = np.dtype(cfg.dtype)
     b, e = cfg.batch, cfg.width
-    lq = cfg.lq
-    lk = cfg.lk if flavor == "cross" else lq
+    lq, lk = cfg.lengths(flavor)
     params = init_mha_params(
         e, cfg.heads, num_kv_heads=cfg.num_kv_heads, bias=cfg.bias, dtype=dt, rng=rng
     )
@@ -140,7 +175,7 @@ def build_case(flavor: str, cfg: CheckConfig) -> Case:
     if "random" in cfg.masks:
         mask = rng.random((b, cfg.heads, lq, lk)) < 0.7
         mask[0, 0, 0, :] = False  # one query row with nothing to attend
-    causal = cfg.causal_align if (flavor == "causal" or "causal" in cfg.masks) else None
+    causal = cfg.alignment if (flavor == "causal" or "causal" in cfg.masks) else None
     upstream = rng.standard_normal((b, lq, e)).astype(dt)
     return Case(
         flavor, params, inputs, upstream, MaskData(key_lengths, mask, causal), cfg.heads, cfg.num_kv_heads

@@ -5,7 +5,8 @@ For each flavor: every gradient (inputs X, M and every parameter) of L = sum(Y *
 - PyTorch autograd in the same dtype (when torch is installed): float64 passes at
   max rel err <= 1e-10, float32 per torch.testing's defaults (rtol 1.3e-6, atol 1e-5);
 - central finite differences of the library's own forward, float64 only
-  (gradcheck's eps 1e-6, atol 1e-5, rtol 1e-3).
+  (gradcheck's eps 1e-6, atol 1e-5, rtol 1e-3): element by element for small cases, along
+  random unit directions for large ones (gradcheck's fast mode; budget.py decides).
 max rel err = max|a - r| / max(max|r|, 1e-4 * S), S the largest |reference| over all
 gradients of the case: a gradient that vanishes in exact arithmetic (dL/db^K does, because
 softmax is invariant to a shift of a whole row of scores) is measured against round-off
@@ -19,8 +20,18 @@ from typing import NamedTuple
 import numpy as np
 
 from ..layers.mha import mha_backward
+from ..resources import format_bytes, format_seconds, require_memory, require_time
+from .budget import DIRECTIONS, TIME_LIMIT, estimate
 from .cases import FLAVOR_TITLES, Case, CheckConfig, build_case
-from .finite_diff import ATOL, EPS, RTOL, central_difference, gradcheck_close
+from .finite_diff import (
+    ATOL,
+    EPS,
+    RTOL,
+    central_difference,
+    directional_difference,
+    gradcheck_close,
+    random_directions,
+)
 from .torch_reference import torch_available, torch_gradients
 
 REL_TOL_F64 = 1e-10
@@ -28,6 +39,7 @@ F32_RTOL, F32_ATOL = 1.3e-6, 1e-5
 
 AUTOGRAD = "torch autograd"
 FINITE_DIFF = "finite differences"
+RANDOM_FD = "random-direction FD"
 
 
 class Record(NamedTuple):
@@ -63,10 +75,10 @@ class CheckReport(NamedTuple):
                 "kv_heads": cfg.num_kv_heads,
                 "width": cfg.width,
                 "lq": cfg.lq,
-                "lk": cfg.lk,
+                "lk": cfg.key_length if "cross" in cfg.flavors else None,
                 "bias": cfg.bias,
                 "masks": list(cfg.masks),
-                "causal_align": cfg.causal_align,
+                "causal_align": cfg.alignment,
                 "dtype": cfg.dtype,
                 "seed": cfg.seed,
             },
@@ -107,8 +119,8 @@ def closed_form_gradients(case: Case) -> dict[str, np.ndarray]:
     return grads
 
 
-def finite_difference_gradients(case: Case) -> dict[str, np.ndarray]:
-    """Every gradient of L = sum(Y * G) by central differences of the float64 forward."""
+def _losses(case: Case) -> dict:
+    """name -> (L as a function of that input or parameter alone, its float64 value)."""
     params = {k: v.astype(np.float64) for k, v in case.params.items()}
     inputs = {k: v.astype(np.float64) for k, v in case.inputs.items()}
     g = case.upstream.astype(np.float64)
@@ -119,7 +131,25 @@ def finite_difference_gradients(case: Case) -> dict[str, np.ndarray]:
             i = {**inputs, name: value} if name in inputs else inputs
             return float(np.sum(case.forward(p, i)[0] * g))
 
-        out[name] = central_difference(loss, {**inputs, **params}[name], EPS)
+        out[name] = (loss, {**inputs, **params}[name])
+    return out
+
+
+def finite_difference_gradients(case: Case) -> dict[str, np.ndarray]:
+    """Every gradient of L = sum(Y * G) by central differences of the float64 forward."""
+    return {name: central_difference(loss, x, EPS) for name, (loss, x) in _losses(case).items()}
+
+
+def directional_derivatives(case: Case, grads: dict, rng: np.random.Generator,
+                            n: int = DIRECTIONS) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """name -> (closed-form ⟨∇L, v⟩, finite-difference derivative along v) for ``n`` random
+    unit directions v per gradient."""
+    out = {}
+    for name, (loss, x) in _losses(case).items():
+        vs = random_directions(rng, x.shape, n)
+        analytic = np.array([float(np.sum(np.asarray(grads[name], dtype=np.float64) * v)) for v in vs])
+        numeric = np.array([directional_difference(loss, x, v, EPS) for v in vs])
+        out[name] = (analytic, numeric)
     return out
 
 
@@ -150,10 +180,35 @@ def _compare_finite_differences(case: Case, grads: dict) -> list[Record]:
     return records
 
 
-def run_check(cfg: CheckConfig | None = None) -> CheckReport:
-    """Run every comparison of ``cfg`` (default: ``attngrad check``'s) and return the report."""
+def _compare_directions(case: Case, grads: dict, rng: np.random.Generator) -> list[Record]:
+    pairs = directional_derivatives(case, grads, rng)
+    floor = REL_FLOOR * max(float(np.max(np.abs(n))) for _, n in pairs.values())
+    tol = f"gradcheck eps={EPS:g} atol={ATOL:g} rtol={RTOL:g}"
+    records = []
+    for name, g in grads.items():
+        analytic, numeric = pairs[name]
+        abs_err, rel = errors(analytic, numeric, floor)
+        ok = gradcheck_close(analytic, numeric)
+        records.append(Record(case.flavor, name, tuple(g.shape), RANDOM_FD, abs_err, rel, tol, ok))
+    return records
+
+
+def run_check(cfg: CheckConfig | None = None, *, progress=None) -> CheckReport:
+    """Run every comparison of ``cfg`` (default: ``attngrad check``'s) and return the report.
+
+    Before any work the run's memory and time are estimated (budget.py); a run that cannot
+    fit in this machine's memory, or would take longer than TIME_LIMIT, is refused with the
+    estimate (:class:`attngrad.resources.ResourceError`, a ValueError).  ``progress(text)``,
+    if given, hears about each step (the command prints it on stderr for long runs).
+    """
     cfg = CheckConfig() if cfg is None else cfg
     version = torch_available()
+    budget = estimate(cfg, torch=version is not None)
+    sizes = "use smaller --batch, --width, --lq or --lk"
+    require_memory(budget.memory, "this check", hint=sizes)
+    require_time(budget.seconds, TIME_LIMIT, "this check", hint=sizes)
+    say = progress or (lambda text: None)
+    say(f"estimated {format_seconds(budget.seconds)}, {format_bytes(budget.memory)} of memory")
     notes = []
     if version is None:
         notes.append(
@@ -162,16 +217,31 @@ def run_check(cfg: CheckConfig | None = None) -> CheckReport:
         )
     if cfg.dtype != "float64":
         notes.append("finite differences need float64: skipped for dtype " + cfg.dtype)
+    directional = [f for f in cfg.flavors if not budget.full_fd[f]]
+    if directional and cfg.dtype == "float64":
+        notes.append(
+            f"finite differences along {DIRECTIONS} random unit directions per gradient for "
+            f"{', '.join(directional)} (too many entries to perturb one by one): the closed "
+            "form's <grad L, v> against (L(x + eps v) - L(x - eps v)) / 2 eps, as gradcheck's fast mode"
+        )
+    rng = np.random.default_rng([cfg.seed, 99])
     records = []
     for flavor in cfg.flavors:
+        say(f"{flavor}: building the case and its closed-form gradients")
         case = build_case(flavor, cfg)
         grads = closed_form_gradients(case)
         order = ["X", "M", "W_q", "W_k", "W_v", "W_o", "b_q", "b_k", "b_v", "b_o"]
         grads = {k: grads[k] for k in order if k in grads}
         if version is not None:
+            say(f"{flavor}: torch autograd")
             records += _compare_autograd(case, grads, cfg.dtype)
         if cfg.dtype == "float64":
-            records += _compare_finite_differences(case, grads)
+            if budget.full_fd[flavor]:
+                say(f"{flavor}: finite differences, element by element")
+                records += _compare_finite_differences(case, grads)
+            else:
+                say(f"{flavor}: finite differences along {DIRECTIONS} random directions per gradient")
+                records += _compare_directions(case, grads, rng)
     return CheckReport(cfg, version, records, notes)
 
 

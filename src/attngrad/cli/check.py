@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+import time
 
 from ..check import FLAVORS, MASK_KINDS, CheckConfig, format_report, run_check
+from ..check.budget import estimate
+from ..check.cases import DEFAULT_LK
+from ..check.torch_reference import torch_available
 from ..core.masks import CAUSAL_ALIGNMENTS
+from ..resources import format_seconds
+
+PROGRESS_AFTER = 5.0  # seconds: longer runs report their steps on stderr
 
 
 def _masks(text: str) -> tuple:
@@ -38,10 +46,10 @@ def register(sub) -> None:
     p.add_argument("--kv-heads", type=int, default=None, metavar="HKV", help="key/value heads, dividing H (default H; fewer = grouped-query attention)")
     p.add_argument("--width", type=int, default=8, metavar="E", help="model width E, divisible by H (default 8)")
     p.add_argument("--lq", type=int, default=5, help="query (decoder) length (default 5)")
-    p.add_argument("--lk", type=int, default=7, help="key (encoder) length for cross-attention (default 7)")
+    p.add_argument("--lk", type=int, default=None, help=f"key (encoder) length for cross-attention (default {DEFAULT_LK}; cross only)")
     p.add_argument("--bias", action=argparse.BooleanOptionalAction, default=True, help="projection biases b^Q b^K b^V b^O (default: on)")
     p.add_argument("--masks", type=_masks, default=("padding",), metavar="KINDS", help=f"'none' or a comma list of {', '.join(MASK_KINDS)} (default: padding); the causal flavor is always causal")
-    p.add_argument("--causal-align", choices=CAUSAL_ALIGNMENTS, default="top_left", help="causal alignment when Lq != Lk (default top_left, as PyTorch)")
+    p.add_argument("--causal-align", choices=CAUSAL_ALIGNMENTS, default=None, help="causal alignment when Lq != Lk: cross-attention with a causal mask (default top_left, as PyTorch)")
     p.add_argument("--dtype", choices=["float64", "float32"], default="float64", help="dtype (default float64; finite differences need float64)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
@@ -63,6 +71,15 @@ def run(args) -> int:
         dtype=args.dtype,
         seed=args.seed,
     )
-    report = run_check(cfg)
+    budget = estimate(cfg, torch=torch_available() is not None)
+    progress = None
+    if budget.seconds > PROGRESS_AFTER:
+        t0 = time.perf_counter()
+
+        def progress(text):
+            print(f"attngrad check: [{format_seconds(time.perf_counter() - t0)}] {text}",
+                  file=sys.stderr, flush=True)
+
+    report = run_check(cfg, progress=progress)
     print(json.dumps(report.to_json(), indent=2) if args.json else format_report(report))
     return 0 if report.passed else 1

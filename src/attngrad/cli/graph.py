@@ -3,8 +3,28 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from ..formulas import FLAVORS, GRAPH_FORMATS, GraphvizError, write_graph
+
+SUFFIXES = {"dot": "dot", "gv": "dot", **{f: f for f in GRAPH_FORMATS}}
+
+
+def output_format(output: str, fmt: str | None) -> str:
+    """The format to write ``output`` in: the one its suffix names (and --format, if given,
+    must agree); a suffix naming nothing this command can write is refused, so that a
+    file never holds another format than its name says."""
+    suffix = Path(output).suffix[1:].lower()
+    if suffix:
+        if suffix not in SUFFIXES:
+            raise ValueError(
+                f"cannot write {output!r}: its suffix .{suffix} names no format this command writes; "
+                f"use one of {', '.join('.' + s for s in SUFFIXES)}"
+            )
+        if fmt is not None and fmt != SUFFIXES[suffix]:
+            raise ValueError(f"--format {fmt} disagrees with the suffix of {output!r} ({SUFFIXES[suffix]})")
+        return SUFFIXES[suffix]
+    return fmt or "dot"
 
 
 def register(sub) -> None:
@@ -19,15 +39,17 @@ def register(sub) -> None:
         ),
     )
     p.add_argument("--flavor", choices=[*FLAVORS, "all"], default="self", help="which flavor (default: self)")
-    p.add_argument("-o", "--output", required=True, metavar="FILE", help="output file: .dot/.gv, .svg or .png")
+    p.add_argument("-o", "--output", required=True, metavar="FILE",
+                   help=f"output file: {', '.join('.' + s for s in SUFFIXES)} (the suffix sets the format)")
     p.add_argument("--format", choices=GRAPH_FORMATS, default=None, dest="fmt",
-                   help="dot, svg or png (default: from FILE's suffix, else dot)")
+                   help=f"{', '.join(GRAPH_FORMATS)} (default: from FILE's suffix, else dot)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
+    fmt = output_format(args.output, args.fmt)
     try:
-        written = write_graph(args.flavor, args.output, args.fmt)
+        written = write_graph(args.flavor, args.output, fmt)
     except GraphvizError as exc:
         print(f"attngrad graph: error: {exc}", file=sys.stderr)
         return 1
