@@ -11,6 +11,7 @@ Whatever goes wrong, the command prints one line on stderr and exits 2 for a bad
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import os
 import sys
@@ -101,14 +102,12 @@ def main(argv=None) -> int:
 
 
 def _is_stdout_error(exc: OSError) -> bool:
-    """An OSError without a file name raised while printing: stdout itself failed."""
-    if exc.filename:
-        return False
-    try:
-        sys.stdout.flush()
-    except OSError:
-        return True
-    return False
+    """An OSError without a file name of the kinds that writing stdout gives (a full disk,
+    a closed pipe, a bad descriptor): the command's output could not be written."""
+    return not exc.filename and exc.errno in _STDOUT_ERRNOS
+
+
+_STDOUT_ERRNOS = {errno.ENOSPC, errno.EPIPE, errno.EIO, errno.EBADF, errno.EDQUOT, errno.EFBIG}
 
 
 if __name__ == "__main__":  # pragma: no cover
