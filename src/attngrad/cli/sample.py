@@ -1,0 +1,77 @@
+"""``attngrad sample``: generate text from a run trained with ``attngrad train --data``."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+from ..core.parallel import blas_threads
+from ..train.sample import load_text_model, sample_text
+
+MAX_TOKENS = 100_000
+
+
+def _tokens(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        v = -1
+    if not 0 <= v <= MAX_TOKENS:
+        raise argparse.ArgumentTypeError(f"expected an integer in [0, {MAX_TOKENS}]; got {text!r}")
+    return v
+
+
+def _temperature(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = math.nan
+    if not (math.isfinite(v) and v >= 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0 (0 = greedy); got {text!r}")
+    return v
+
+
+def _seed(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        v = -1
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0; got {text!r}")
+    return v
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "sample",
+        help="generate text from a run trained with attngrad train --data",
+        description=(
+            "Load the newest checkpoint of a --data run (verified, never unpickled) and continue "
+            "PROMPT byte by byte. Temperature 0 is greedy decoding (the most likely byte each "
+            "time); above 0, bytes are drawn from softmax(logits / T), reproducibly from --seed. "
+            "Prints the prompt and its continuation; invalid UTF-8 in the output shows as U+FFFD."
+        ),
+    )
+    p.add_argument("--run", type=Path, required=True, metavar="DIR", help="the run folder (attngrad train --out)")
+    p.add_argument("--checkpoint", type=Path, default=None, metavar="CKPT",
+                   help="a checkpoint file to use instead of the newest in DIR")
+    p.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
+    p.add_argument("--tokens", type=_tokens, default=200, metavar="N", help="bytes to generate (default 200)")
+    p.add_argument("--temperature", type=_temperature, default=0.8, metavar="T",
+                   help="softmax temperature; 0 = greedy (default 0.8)")
+    p.add_argument("--seed", type=_seed, default=0, metavar="S", help="random seed (default 0)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    if not args.prompt:
+        raise ValueError("--prompt must not be empty (the model continues at least one byte)")
+    model = load_text_model(args.run, args.checkpoint)
+    print(f"attngrad sample: {model.checkpoint} (step {model.step}), temperature {args.temperature:g}, "
+          f"seed {args.seed}", file=sys.stderr)
+    with blas_threads(1):  # one thread: the same bytes whatever the machine's BLAS does
+        text = sample_text(model, args.prompt, args.tokens, temperature=args.temperature, seed=args.seed)
+    sys.stdout.write(args.prompt + text + ("" if (args.prompt + text).endswith("\n") else "\n"))
+    return 0

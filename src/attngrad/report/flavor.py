@@ -1,0 +1,181 @@
+"""``attngrad report --flavor F``: one self-contained HTML page for one attention flavor.
+
+Everything on it comes from the library, nothing is typed twice:
+- the equations are the catalogue's formula trees (:mod:`attngrad.formulas`, the trees
+  ``derive`` prints and the tests evaluate), rendered as MathML;
+- the graph is ``attngrad.formulas.graph_dot`` laid out by Graphviz (``dot -Tsvg``);
+- the heatmaps are those same trees *evaluated* on the seeded case of ``attngrad check``
+  (``check.build_case``), and the page states how far their values are from
+  ``mha_backward``'s;
+- the check table is ``check.run_check`` on that case.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from typing import NamedTuple
+
+import numpy as np
+
+from ..check import CheckConfig, build_case, closed_form_gradients, run_check
+from ..check.report import PRETTY
+from ..check.runner import REL_FLOOR, case_scale, errors
+from ..formulas import catalogue, evaluate_catalogue, graph_dot, layer_env
+from ..formulas.catalogue import FLAVOR_TITLES, FLAVORS
+from ..formulas.document import MASKS_AND_SCALE
+from .html import esc, page, table
+from .mathml import formula_mathml, symbol_mathml
+from .svg import heatmap
+
+# gradient name in the check -> catalogue symbol of its formula
+_GRAD_SYMBOL = {"X": "dX", "M": "dM", **{f"{p}_{s}": f"d{p}_{s}" for p in "Wb" for s in "qkvo"}}
+
+
+class FlavorData(NamedTuple):
+    """The evaluated formulas of one case, and how they compare with the library."""
+
+    case: object  # check.Case
+    env: dict  # every quantity by catalogue name (NumPy arrays)
+    library_rel_err: dict  # gradient name -> max rel difference, formula trees vs mha_backward
+
+
+def evaluate_flavor(flavor: str, cfg: CheckConfig) -> FlavorData:
+    """Evaluate every formula of ``flavor`` on the seeded case of ``cfg``."""
+    case = build_case(flavor, cfg)
+    p64 = {k: v.astype(np.float64) for k, v in case.params.items()}
+    inp = {k: v.astype(np.float64) for k, v in case.inputs.items()}
+    env = layer_env(flavor, p64, inp["X"], inp.get("M"), case.upstream.astype(np.float64),
+                    num_heads=case.num_heads, key_lengths=case.masks.key_lengths)
+    ev = evaluate_catalogue(catalogue(flavor), env)
+    lib = closed_form_gradients(case)
+    floor = REL_FLOOR * case_scale(lib)  # as attngrad check: dL/db^K is 0 up to round-off
+    rel = {name: errors(ev.env[_GRAD_SYMBOL[name]], g, floor)[1] for name, g in lib.items()}
+    return FlavorData(case, ev.env, rel)
+
+
+def graph_svg(flavor: str) -> str | None:
+    """The flavor's computation graph as inline SVG, or None without Graphviz."""
+    exe = shutil.which("dot")
+    if exe is None:
+        return None
+    res = subprocess.run([exe, "-Tsvg"], input=graph_dot(flavor), capture_output=True, text=True,
+                         check=False, timeout=60)
+    if res.returncode != 0:
+        return None
+    svg = res.stdout
+    svg = svg[svg.index("<svg") :]  # drop the XML prolog and DOCTYPE (with its URL)
+    return re.sub(r"<!--.*?-->", "", svg, flags=re.S)
+
+
+def _equations(flavor: str) -> str:
+    cat = catalogue(flavor)
+    out = ["<h2>Symbols</h2>",
+           '<p class="note">Per sequence; shapes of one head where the name has h.</p>',
+           table(["symbol", "shape", "meaning"],
+                 [[symbol_mathml(s), esc(s.shape), esc(s.meaning)] for s in cat.symbols.values()])]
+    for sec in cat.sections:
+        out.append(f"<h2>{esc(sec.title)}</h2><p>{esc(sec.intro)}</p>")
+        for f in sec.formulas:
+            out.append(f'<div class="eq"><span class="tag">{esc(f.tag)}</span>{formula_mathml(f)}</div>')
+    out.append(f"<h3>Masks and scale</h3><p>{esc(MASKS_AND_SCALE[flavor])}</p>")
+    return "".join(out)
+
+
+def _heatmaps(data: FlavorData) -> str:
+    env, case = data.env, data.case
+    lq, lk = case.lengths()
+    b, h = env["P_h"].shape[:2]
+    ql, kl = [f"{i}" for i in range(lq)], [f"{j}" for j in range(lk)]
+    kl_name = "key j (encoder position)" if case.flavor == "cross" else "key j"
+    out = ["<h2>Attention and its gradients, per sequence and head</h2>",
+           '<p class="note">P (A2), dP (A5) and dS (A7) evaluated from the formula trees above on the '
+           "seeded case of <code>attngrad check</code>; masked entries of P are exactly 0, and so are "
+           "those of dS. Blue negative, red positive, white 0 (dP, dS).</p>"]
+    for bi in range(b):
+        for hi in range(h):
+            out.append(f"<h3>sequence b = {bi}, head h = {hi}</h3><div class=\"figs\">")
+            for name, title, kind in (("P_h", "P (probabilities)", "sequential"),
+                                      ("dP_h", "dP = dO Vᵀ", "diverging"),
+                                      ("dS_h", "dS = P ∘ (dP − δ 1ᵀ)", "diverging")):
+                vmin, vmax = (0.0, 1.0) if kind == "sequential" else (None, None)
+                out.append(heatmap(env[name][bi, hi], title=f"{title}, b={bi} h={hi}",
+                                   xlabel=kl_name, ylabel="query i", xlabels=kl, ylabels=ql,
+                                   kind=kind, vmin=vmin, vmax=vmax))
+            out.append("</div>")
+    out.append("<h2>Parameter and input gradients</h2>"
+               '<p class="note">Every gradient of L = Σ G ∘ Y, from the formula trees (M5, M7, M8, M9); '
+               "rows are the first index (input feature for W, row of the batch for X).</p>"
+               '<div class="figs">')
+    for name in ("W_q", "W_k", "W_v", "W_o"):
+        g = env["d" + name]
+        out.append(heatmap(g, title=f"{PRETTY[name]} {g.shape}", xlabel="output column",
+                           ylabel="input row", kind="diverging"))
+    for name in ("b_q", "b_k", "b_v", "b_o"):
+        if "d" + name in env:
+            g = env["d" + name]
+            out.append(heatmap(g, title=f"{PRETTY[name]} {g.shape}", xlabel="entry", ylabel="",
+                               kind="diverging", max_px=260))
+    for name, rows in (("X", "query position"), ("M", "encoder position")):
+        if "d" + name in env:
+            for bi in range(b):
+                g = env["d" + name][bi]
+                out.append(heatmap(g, title=f"{PRETTY[name]}, sequence b={bi}", xlabel="feature e",
+                                   ylabel=rows, kind="diverging"))
+    out.append("</div>")
+    return "".join(out)
+
+
+def _check_table(cfg: CheckConfig) -> str:
+    rep = run_check(cfg)
+    rows, classes = [], []
+    for r in rep.records:
+        rows.append([esc(PRETTY.get(r.gradient, r.gradient)), esc(str(tuple(r.shape))), esc(r.reference),
+                     f"{r.max_abs_err:.2e}", f"{r.max_rel_err:.2e}", esc(r.tolerance),
+                     "pass" if r.passed else "FAIL"])
+        classes.append(["", "", "", "num", "num", "", "pass" if r.passed else "fail"])
+    n_fail = sum(not r.passed for r in rep.records)
+    verdict = (f"<p><b>{'all passed' if rep.passed else 'FAILED'}</b>: {len(rep.records) - n_fail} passed, "
+               f"{n_fail} failed (torch {esc(rep.torch_version or 'not installed')}).</p>")
+    notes = "".join(f'<p class="note">note: {esc(n)}</p>' for n in rep.notes)
+    return ("<h2>Check: closed form vs PyTorch autograd and finite differences</h2>"
+            '<p class="note">The library call behind <code>attngrad check</code> on this case: '
+            "max rel err = max|a − r| / max(max|r|, 1e-4 · largest gradient of the case).</p>"
+            + table(["gradient", "shape", "reference", "max abs err", "max rel err", "tolerance", "result"],
+                    rows, classes) + verdict + notes)
+
+
+def flavor_report(flavor: str, *, seed: int = 0, check: bool = True) -> str:
+    """The HTML page of one flavor (a string)."""
+    if flavor not in FLAVORS:
+        raise ValueError(f"flavor must be one of {', '.join(FLAVORS)}; got {flavor!r}")
+    cfg = CheckConfig(flavors=(flavor,), seed=seed)
+    data = evaluate_flavor(flavor, cfg)
+    case = data.case
+    lq, lk = case.lengths()
+    kl = case.masks.key_lengths
+    worst = max(data.library_rel_err.values())
+    body = [f"<h1>attngrad report: {esc(FLAVOR_TITLES[flavor])}</h1>",
+            f'<p>Case: B={cfg.batch}, H={cfg.heads}, E={cfg.width}, Lq={lq}, Lk={lk}, biases, float64, seed {seed}'
+            + (f", key lengths {esc(kl.tolist())}" if kl is not None else "")
+            + (", causal (top-left)" if flavor == "causal" else "") + ". "
+            f"Upstream gradient G random. Every gradient below, evaluated from the printed formulas, "
+            f"equals <code>mha_backward</code>'s to a max relative difference of {worst:.1e} "
+            f"(relative to max(max|g|, 1e-4 · largest gradient), as in the check table).</p>",
+            _equations(flavor),
+            "<h2>Computation graph</h2>"]
+    svg = graph_svg(flavor)
+    if svg is None:
+        body.append('<p class="note">Graphviz\'s <code>dot</code> is not installed, so the graph is not '
+                    "drawn (Debian: <code>apt-get install graphviz</code>); "
+                    "<code>attngrad graph --flavor " + esc(flavor) + " -o graph.dot</code> writes its source.</p>")
+    else:
+        body.append('<p class="note">Solid: forward, labelled with its formula; dashed red: backward, '
+                    f'labelled with the local gradient.</p><div class="graph">{svg}</div>')
+    body.append(_heatmaps(data))
+    if check:
+        body.append(_check_table(cfg))
+    body.append('<p class="muted">Written by <code>attngrad report</code>. Self-contained: no script, '
+                "no network; equations in MathML, figures in SVG.</p>")
+    return page(f"attngrad report: {flavor}", "\n".join(body))

@@ -1,0 +1,259 @@
+"""attngrad report: MathML from the formula trees, a self-contained page, headless Chromium.
+
+The Chromium checks run Debian's ``chromium`` (scripts/test installs it) with console
+logging on stderr and a network log: a console message of any kind (a script error, a
+Content-Security-Policy violation, a refused load) or a request made on behalf of the page
+fails the test.  Two control pages show that both detectors catch what they look for.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import xml.etree.ElementTree as ET
+
+import numpy as np
+import pytest
+
+from attngrad.check import CheckConfig
+from attngrad.cli.main import main
+from attngrad.formulas import FLAVORS, catalogue
+from attngrad.formulas import expr as X
+from attngrad.report import flavor_report, formula_mathml, mathml
+from attngrad.report.flavor import evaluate_flavor
+from attngrad.report.html import page
+from attngrad.report.mathml import tex_atoms
+from attngrad.report.svg import heatmap, line_chart, png_bytes
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (scripts/test installs it)")
+
+# resource URLs a page could fetch: src/href/url() pointing anywhere but data: or a fragment
+_RESOURCE = re.compile(r"""(?:\bsrc|\bhref|xlink:href)\s*=\s*["']?(?!data:|#)[^"'\s>]+|url\(\s*["']?(?!data:|#)|@import""", re.I)
+
+
+def _mathml_xml(m: str):
+    return ET.fromstring(m.replace("&#x2062;", "\u2062"))
+
+
+# ---------------------------------------------------------------- MathML
+
+
+def test_tex_atoms():
+    assert tex_atoms("X") == "<mi>X</mi>"
+    assert tex_atoms("W^{Q}") == "<msup><mi>W</mi><mi>Q</mi></msup>"
+    assert tex_atoms("dW^{Q}") == "<mrow><mi>d</mi><msup><mi>W</mi><mi>Q</mi></msup></mrow>"
+    assert tex_atoms(r"\delta_h") == "<msub><mi>δ</mi><mi>h</mi></msub>"
+    assert tex_atoms(r"\mathcal{M}") == "<mi>𝓜</mi>"
+    with pytest.raises(ValueError, match="LaTeX command"):
+        tex_atoms(r"\unknown")
+
+
+def test_mathml_of_a7_is_exactly_the_formula():
+    """(A7) dS_h = P_h ∘ (dP_h − δ_h 1ᵀ), written out by hand."""
+    f = next(f for sec in catalogue("self").sections if sec.key == "backward" for f in sec.formulas if f.tag == "(A7)")
+    want = (
+        '<math display="block"><mrow><mrow><mi>d</mi><msub><mi>S</mi><mi>h</mi></msub></mrow><mo>=</mo>'
+        "<mrow><msub><mi>P</mi><mi>h</mi></msub><mo>⊙</mo><mrow><mo fence=\"true\">(</mo><mrow>"
+        "<mrow><mi>d</mi><msub><mi>P</mi><mi>h</mi></msub></mrow><mo>−</mo><mrow><msub><mi>δ</mi><mi>h</mi></msub>"
+        "<mo>&#x2062;</mo><msup><mn>𝟏</mn><mo>⊤</mo></msup></mrow></mrow><mo fence=\"true\">)</mo></mrow></mrow>"
+        "</mrow></math>"
+    )
+    assert formula_mathml(f) == want
+
+
+def _leaves(m: str) -> list:
+    return [e.text for e in _mathml_xml(m).iter() if e.text and e.text.strip() and e.text != "\u2062"]
+
+
+@pytest.mark.parametrize("flavor", FLAVORS)
+def test_every_formula_renders_with_every_symbol(flavor):
+    """Each formula of the catalogue gives well-formed MathML holding each of its symbols'
+    letters, and parentheses balance."""
+    for sec in catalogue(flavor).sections:
+        for f in sec.formulas:
+            m = formula_mathml(f)
+            leaves = _leaves(m)
+            assert leaves.count("(") == leaves.count(")"), (f.tag, m)
+            assert leaves.count("[") == leaves.count("]"), (f.tag, m)
+            assert "=" in leaves
+            text = "".join(leaves)
+            for s in f.symbols():
+                stem = s.tex.removesuffix("_h").replace(r"\delta", "δ").replace(r"\mathcal{M}", "𝓜")
+                stem = stem.replace("^{", "").replace("}", "")
+                assert stem[-1] in text, (f.tag, s.name, text)
+
+
+def test_unknown_node_is_refused():
+    class Strange(X.Expr):
+        pass
+
+    with pytest.raises(TypeError, match="no MathML renderer for Strange"):
+        mathml(Strange())
+
+
+# ---------------------------------------------------------------- figures
+
+
+def test_png_encoder_round_trip():
+    zlib = pytest.importorskip("zlib")
+    rgb = np.random.default_rng(0).integers(0, 256, size=(3, 5, 3), dtype=np.uint8)
+    data = png_bytes(rgb)
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    idat = data[data.index(b"IDAT") + 4 : data.index(b"IEND") - 8]
+    raw = zlib.decompress(idat)
+    rows = [raw[i * 16 + 1 : (i + 1) * 16] for i in range(3)]  # 1 filter byte + 5 * 3
+    assert np.array_equal(np.frombuffer(b"".join(rows), np.uint8).reshape(3, 5, 3), rgb)
+
+
+def test_heatmap_and_chart_are_labelled_svg():
+    svg = heatmap(np.arange(6.0).reshape(2, 3) - 2, title="dS b=0 h=1", xlabel="key j", ylabel="query i",
+                  kind="diverging")
+    root = ET.fromstring(svg)
+    texts = [t.text for t in root.iter("{http://www.w3.org/2000/svg}text")]
+    assert "dS b=0 h=1" in texts and "key j" in texts and "query i" in texts
+    assert "3" in texts and "-3" in texts  # the colour bar is symmetric about 0: ±max|a|
+    chart = line_chart([{"label": "validation loss", "x": [1, 2, 3], "y": [3.0, 2.0, 1.5], "color": "#f00"}],
+                       title="Loss", xlabel="step", ylabel="nats", logy=True)
+    texts = [t.text for t in ET.fromstring(chart).iter("{http://www.w3.org/2000/svg}text")]
+    assert {"Loss", "step", "validation loss"} <= set(texts)
+
+
+# ---------------------------------------------------------------- the flavor page
+
+
+@pytest.mark.parametrize("flavor", FLAVORS)
+def test_formula_values_are_the_library_gradients(flavor):
+    data = evaluate_flavor(flavor, CheckConfig(flavors=(flavor,)))
+    assert max(data.library_rel_err.values()) <= 1e-12
+    p = data.env["P_h"]  # (B, H, Lq, Lk)
+    rows = p.sum(-1)
+    assert np.all((np.abs(rows - 1) < 1e-12) | (rows == 0))
+    assert np.all(data.env["dS_h"][p == 0] == 0)  # masked entries get no gradient
+
+
+@pytest.fixture(scope="module")
+def cross_page():
+    return flavor_report("cross")
+
+
+def test_page_is_self_contained(cross_page):
+    html = cross_page
+    assert "Content-Security-Policy" in html and "default-src 'none'" in html
+    assert "<script" not in html.lower()
+    assert not _RESOURCE.findall(html), _RESOURCE.findall(html)[:3]
+    n_formulas = sum(len(sec.formulas) for sec in catalogue("cross").sections)
+    n_symbols = len(catalogue("cross").symbols)
+    assert html.count('<math display="block">') == n_formulas
+    assert html.count("<math>") == n_symbols
+    for name in ("P (probabilities), b=1 h=1", "dS = P ∘ (dP − δ 1ᵀ), b=0 h=0", "dL/dW^Q", "dL/db^O", "dL/dM"):
+        assert name in html
+    assert "all passed" in html
+
+
+@pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz's dot is not installed")
+def test_page_has_the_graph(cross_page):
+    svg = cross_page[cross_page.index('<div class="graph">') :]
+    assert svg.index("<svg") < 40 and "attngrad graph" in svg
+
+
+def test_cli_report_writes_page(tmp_path, capsys):
+    out = tmp_path / "r.html"
+    assert main(["report", "--flavor", "causal", "--no-check", "-o", str(out)]) == 0
+    html = out.read_text()
+    assert "masked (causal) decoder self-attention" in html and "Check:" not in html
+
+
+@pytest.mark.parametrize("argv", [
+    ["report", "--flavor", "cross", "-o", "/nonexistent-dir/r.html"],
+    ["report", "--flavor", "cross"],
+    ["report", "--flavor", "diagonal", "-o", "x.html"],
+    ["report", "--run", "/nonexistent-run"],
+    ["report", "--flavor", "cross", "--run", "x"],
+])
+def test_cli_report_bad_options(argv, capsys):
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's own errors
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+# ---------------------------------------------------------------- headless Chromium
+
+
+def _chromium(path, tmp_path, extra=()):
+    """Open ``path`` headless; (stderr, net-log events, dumped DOM)."""
+    profile = tmp_path / f"profile-{path.stem}"
+    netlog = tmp_path / f"{path.stem}.netlog.json"
+    cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+           "--disable-background-networking", "--disable-component-update", "--disable-sync",
+           f"--user-data-dir={profile}", "--enable-logging=stderr", "--v=0", f"--log-net-log={netlog}",
+           *extra, "--dump-dom", path.resolve().as_uri()]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    assert res.returncode == 0, res.stderr[-2000:]
+    text = netlog.read_text() if netlog.exists() else '{"events": []}'
+    try:
+        events = json.loads(text)["events"]
+    except json.JSONDecodeError:  # a log cut short at exit
+        events = json.loads(text.rstrip().rstrip(",") + "]}")["events"]
+    return res.stderr, events, res.stdout
+
+
+def _console(stderr: str) -> list:
+    return [line for line in stderr.splitlines() if ":CONSOLE" in line]
+
+
+def _page_requests(events) -> list:
+    """URLs requested on behalf of the page (the browser's own service calls have no
+    page origin: initiator "not an origin", no file:// isolation key)."""
+    out = []
+    for e in events:
+        p = e.get("params") or {}
+        if "url" in p and "initiator" in p:
+            if p["initiator"] != "not an origin" or "file://" in p.get("network_isolation_key", ""):
+                out.append(p["url"])
+    return out
+
+
+@needs_chromium
+def test_detectors_catch_console_errors_and_requests(tmp_path):
+    bad_csp = tmp_path / "bad_csp.html"  # our CSP: the script is refused, with a console error
+    bad_csp.write_text(page("bad", '<p>x</p><script>console.error("boom")</script>'))
+    bad_net = tmp_path / "bad_net.html"  # no CSP: a request leaves the page
+    bad_net.write_text('<!DOCTYPE html><html><body><img src="http://127.0.0.1:9/x.png"></body></html>')
+    err, _, _ = _chromium(bad_csp, tmp_path)
+    assert _console(err)
+    _, events, _ = _chromium(bad_net, tmp_path)
+    assert "http://127.0.0.1:9/x.png" in _page_requests(events)
+
+
+@needs_chromium
+def test_report_renders_in_chromium_without_console_errors_or_requests(tmp_path, cross_page):
+    path = tmp_path / "report.html"
+    path.write_text(cross_page, encoding="utf-8")
+    err, events, dom = _chromium(path, tmp_path)
+    assert _console(err) == []
+    assert _page_requests(events) == []
+    assert "Computation graph" in dom and dom.count("<math") >= 40
+
+
+@needs_chromium
+def test_run_report_renders_in_chromium(tmp_path):
+    run = tmp_path / "run"
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("the cat sat on the mat. " * 40)
+    assert main(["train", "--data", str(corpus), "--steps", "6", "--batch-size", "4", "--context", "16",
+                 "--dim", "16", "--heads", "2", "--ffn", "16", "--layers", "1", "--warmup", "1",
+                 "--eval-every", "3", "--eval-size", "4", "--no-plots", "--quiet", "--out", str(run)]) == 0
+    page_path = run / "report.html"
+    html = page_path.read_text()
+    assert not _RESOURCE.findall(html)
+    assert "validation perplexity" in html and "step 6: layer 0 head 1" in html
+    err, events, dom = _chromium(page_path, tmp_path)
+    assert _console(err) == [] and _page_requests(events) == []
+    assert "Attention maps as training goes" in dom
