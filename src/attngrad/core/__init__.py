@@ -1,13 +1,26 @@
-"""The attention maths: masks, dense forward and closed-form backward."""
+"""The attention maths: masks, the validated problem, dense and tiled paths, the front door."""
 
+from .dropout import dropout_mask
 from .masks import CAUSAL_ALIGNMENTS, MaskSpec, make_mask_spec
-from .sdpa import SDPACache, SDPAShape, masked_softmax, sdpa, sdpa_backward, sdpa_forward
+from .problem import Problem
+from .sdpa import (
+    SDPACache,
+    SDPAShape,
+    TiledCache,
+    masked_softmax,
+    sdpa,
+    sdpa_backward,
+    sdpa_forward,
+)
 
 __all__ = [
     "CAUSAL_ALIGNMENTS",
     "MaskSpec",
+    "Problem",
     "SDPACache",
     "SDPAShape",
+    "TiledCache",
+    "dropout_mask",
     "make_mask_spec",
     "masked_softmax",
     "sdpa",

@@ -7,7 +7,15 @@ logical AND and applied once, before the softmax (docs/equations.md, eq. A2):
 - key padding: ``key_lengths`` (B,) integers, or ``key_mask`` (B, Lk) boolean;
 - ``causal``: ``"top_left"`` (PyTorch: query i sees keys j <= i) or ``"bottom_right"``
   (FlashAttention: query i sees keys j <= i + Lk - Lq); ``True`` is accepted only when
-  Lq == Lk, where the two agree.
+  Lq == Lk, where the two agree;
+- ``window=(left, right)``: query i sees key j iff pos(i) - left <= j <= pos(i) + right
+  (FlashAttention's window_size; None for an unbounded side)                     (V5)
+- ``q_segment_ids`` (B, Lq) / ``kv_segment_ids`` (B, Lk): a query sees only keys of its
+  own segment (packed documents)                                                   (V6)
+
+Query positions: pos(i) = i + offset with offset 0 under top-left alignment and Lk - Lq
+under bottom-right; the alignment is ``causal``'s, or bottom-right (FlashAttention's)
+when there is no causal rule.  The same positions serve ALiBi (V4).
 
 A :class:`MaskSpec` holds the validated pieces and gives the allowed structure for any
 tile ``[q0, q1) x [k0, k1)`` so that the dense path and any tiled path use the same rule.
@@ -16,6 +24,8 @@ tile ``[q0, q1) x [k0, k1)`` so that the dense path and any tiled path use the s
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import numpy as np
 
 from ._xp import Array, check_array, dtype_name
 
@@ -44,7 +54,8 @@ def normalize_causal(causal, lq: int, lk: int) -> str | None:
 class MaskSpec:
     """Validated masks for attention of shape (B, H, Lq, Lk).
 
-    Memory: ``mask`` is kept as given (broadcastable, not expanded); ``keys`` is (B, Lk).
+    Memory: ``mask`` is kept as given (broadcastable, not expanded); ``keys`` is (B, Lk);
+    segment ids (B, Lq) and (B, Lk).
     """
 
     batch: int
@@ -54,56 +65,106 @@ class MaskSpec:
     mask: Array | None = None  # (b, h, lq, lk) bool, each of b, h, lq, lk either 1 or full
     keys: Array | None = None  # (B, Lk) bool, True = key present
     causal: str | None = None  # None, "top_left" or "bottom_right"
+    window: tuple | None = None  # (left, right), each an int >= 0 or None (unbounded)
+    q_seg: Array | None = None  # (B, Lq) integer segment ids
+    kv_seg: Array | None = None  # (B, Lk) integer segment ids
 
     @property
     def is_empty(self) -> bool:
         """True when nothing is masked at all (no mask structure to apply)."""
-        return self.mask is None and self.keys is None and self.causal is None
+        return (
+            self.mask is None and self.keys is None and self.causal is None
+            and self.window is None and self.q_seg is None
+        )
 
     @property
-    def causal_offset(self) -> int:
-        """Query i may attend key j iff j <= i + offset (causal only)."""
-        return 0 if self.causal == "top_left" else self.lk - self.lq
+    def align(self) -> str:
+        """Position alignment of queries and keys: causal's, else bottom-right."""
+        return self.causal or "bottom_right"
 
-    def block(self, xp, q0: int = 0, q1: int | None = None, k0: int = 0, k1: int | None = None):
+    @property
+    def offset(self) -> int:
+        """pos(i) = i + offset: 0 top-left, Lk - Lq bottom-right."""
+        return 0 if self.align == "top_left" else self.lk - self.lq
+
+    causal_offset = offset  # query i may attend key j iff j <= i + offset (causal only)
+
+    @property
+    def positional(self) -> bool:
+        """True when the structure depends only on (i, j) (not on b, h or data)."""
+        return self.mask is None and self.keys is None and self.q_seg is None
+
+    def _bounds(self, i):
+        """Lowest and highest key each query position may attend (structural rules only)."""
+        lo, hi = None, None
+        if self.causal is not None:
+            hi = i
+        if self.window is not None:
+            left, right = self.window
+            if left is not None:
+                lo = i - left
+            if right is not None:
+                hi = i + right if hi is None else min(hi, i + right)
+        return lo, hi
+
+    def block(self, xp, q0: int = 0, q1: int | None = None, k0: int = 0, k1: int | None = None,
+              b: int | None = None):
         """Allowed structure of the tile [q0, q1) x [k0, k1): a boolean array
-        broadcastable to (B, H, q1 - q0, k1 - k0), or None when all is allowed."""
+        broadcastable to (B, H, q1 - q0, k1 - k0), or None when all is allowed.
+        With ``b``, only batch row b: broadcastable to (1, H, q1 - q0, k1 - k0)."""
         q1 = self.lq if q1 is None else q1
         k1 = self.lk if k1 is None else k1
         allowed = None
-        if self.causal is not None:
-            i = xp.arange(q0, q1)[:, None]  # (lq_tile, 1)
+        rows = slice(None) if b is None else slice(b, b + 1)
+
+        def batch(a):  # batch row b of a (b|B, ...) array
+            return a if b is None or a.shape[0] == 1 else a[rows]
+
+        def both(a, b):
+            return b if a is None else xp.logical_and(a, b)
+
+        if self.causal is not None or self.window is not None:
+            i = xp.arange(q0, q1)[:, None] + self.offset  # (lq_tile, 1) query positions
             j = xp.arange(k0, k1)[None, :]  # (1, lk_tile)
-            allowed = (j <= i + self.causal_offset)[None, None]  # (1, 1, lq_tile, lk_tile)
+            if self.causal is not None:
+                allowed = both(allowed, (j <= i)[None, None])  # (A2) causal
+            if self.window is not None:
+                left, right = self.window
+                if left is not None:
+                    allowed = both(allowed, (j >= i - left)[None, None])  # (V5)
+                if right is not None:
+                    allowed = both(allowed, (j <= i + right)[None, None])  # (V5)
         if self.keys is not None:
-            keys = self.keys[:, None, None, k0:k1]  # (B, 1, 1, lk_tile)
-            allowed = keys if allowed is None else xp.logical_and(allowed, keys)
+            allowed = both(allowed, batch(self.keys)[:, None, None, k0:k1])  # (B, 1, 1, lk_tile)
+        if self.q_seg is not None:
+            same = batch(self.q_seg)[:, None, q0:q1, None] == batch(self.kv_seg)[:, None, None, k0:k1]  # (V6)
+            allowed = both(allowed, same)  # (B, 1, lq_tile, lk_tile)
         if self.mask is not None:
-            m = self.mask
+            m = batch(self.mask)
             m = m[..., q0:q1, :] if m.shape[2] != 1 else m
             m = m[..., k0:k1] if m.shape[3] != 1 else m
-            allowed = m if allowed is None else xp.logical_and(allowed, m)
+            allowed = both(allowed, m)
         return allowed
 
     def block_may_attend(self, q0: int, q1: int, k0: int, k1: int) -> bool:
-        """False when the causal rule alone masks the whole tile (so a tiled path may skip it).
-
-        Key padding and explicit masks are data-dependent; a tiled path checks them on the
-        tile itself.
-        """
+        """False when the positional rules (causal, window) alone mask the whole tile, so a
+        tiled path may skip it.  Key padding, masks and segments are data; a tiled path
+        checks them on the tile itself."""
         if q1 <= q0 or k1 <= k0:
             return False
-        if self.causal is not None and k0 > (q1 - 1) + self.causal_offset:
-            return False
-        return True
+        lo, _ = self._bounds(q0 + self.offset)  # the lowest query allows the lowest keys
+        _, hi = self._bounds(q1 - 1 + self.offset)  # the highest query the highest keys
+        return not ((hi is not None and k0 > hi) or (lo is not None and k1 - 1 < lo))
 
     def block_all_attend(self, q0: int, q1: int, k0: int, k1: int) -> bool:
         """True when nothing masks any entry of the tile: no explicit mask, no key padding,
-        and the causal rule (if any) allows even its top-right corner (so a tiled path
-        needs no mask array for it)."""
-        if self.mask is not None or self.keys is not None:
+        no segments, and the positional rules allow every (query, key) pair in it (so a
+        tiled path needs no mask array for it)."""
+        if not self.positional:
             return False
-        return self.causal is None or (k1 - 1) <= q0 + self.causal_offset
+        _, hi = self._bounds(q0 + self.offset)  # the tightest upper bound: the first query
+        lo, _ = self._bounds(q1 - 1 + self.offset)  # the tightest lower bound: the last query
+        return (hi is None or k1 - 1 <= hi) and (lo is None or k0 >= lo)
 
 
 def make_mask_spec(
@@ -117,6 +178,9 @@ def make_mask_spec(
     key_lengths=None,
     key_mask=None,
     causal=False,
+    window=None,
+    q_segment_ids=None,
+    kv_segment_ids=None,
 ) -> MaskSpec:
     """Validate every mask argument against (B, H, Lq, Lk) and return a :class:`MaskSpec`."""
     full = (batch, heads, lq, lk)
@@ -154,7 +218,54 @@ def make_mask_spec(
                 f"key_mask must have shape (B, Lk) = {(batch, lk)}; got {tuple(key_mask.shape)}"
             )
         keys = xp.asarray(key_mask)
-    return MaskSpec(batch, heads, lq, lk, norm_mask, keys, normalize_causal(causal, lq, lk))
+    q_seg, kv_seg = _segments(xp, q_segment_ids, kv_segment_ids, batch, lq, lk)
+    return MaskSpec(
+        batch, heads, lq, lk, norm_mask, keys, normalize_causal(causal, lq, lk),
+        _window(window), q_seg, kv_seg,
+    )
+
+
+def _window(window):
+    """(left, right) with each side an integer >= 0 or None; None = no window."""
+    if window is None:
+        return None
+    if not isinstance(window, tuple | list) or len(window) != 2:
+        raise TypeError(
+            f"window must be a pair (left, right) of integers >= 0 or None; got {window!r}"
+        )
+    sides = []
+    for name, side in zip(("left", "right"), window, strict=True):
+        if side is None:
+            sides.append(None)
+            continue
+        if isinstance(side, bool) or not isinstance(side, int | np.integer):
+            raise TypeError(
+                f"window's {name} side must be an integer >= 0 or None; got {side!r}"
+            )
+        if side < 0:
+            raise ValueError(f"window's {name} side must be >= 0 (or None); got {side}")
+        sides.append(int(side))
+    return tuple(sides)
+
+
+def _segments(xp, q_ids, kv_ids, batch: int, lq: int, lk: int):
+    """Validated (B, Lq) and (B, Lk) integer segment ids, or (None, None)."""
+    if q_ids is None and kv_ids is None:
+        return None, None
+    if q_ids is None or kv_ids is None:
+        raise ValueError("pass both q_segment_ids (B, Lq) and kv_segment_ids (B, Lk), or neither")
+    out = []
+    for name, ids, want in (("q_segment_ids", q_ids, (batch, lq)), ("kv_segment_ids", kv_ids, (batch, lk))):
+        if isinstance(ids, list | tuple):
+            ids = np.asarray(ids)
+        check_array(name, ids)
+        kind = dtype_name(ids.dtype)
+        if not (kind.startswith("int") or kind.startswith("uint")):
+            raise TypeError(f"{name} must be integers; got dtype {kind}")
+        if tuple(ids.shape) != want:
+            raise ValueError(f"{name} must have shape {want}; got {tuple(ids.shape)}")
+        out.append(xp.asarray(ids))
+    return tuple(out)
 
 
 def _keys_from_lengths(xp, key_lengths, batch: int, lk: int):

@@ -1,19 +1,30 @@
 """Tiled attention: O(N) memory forward and backward (FlashAttention-2's structure), NumPy.
 
-The forward sweeps key/value tiles for each query tile with an online softmax and keeps
-only the output and the row log-sum-exp (T1).  The backward recomputes the probabilities
-of each tile from them (T2), with delta = rowsum(dO * O) (A6) computed once, and
-accumulates dV, dK (per key/value tile) and dQ (per query tile): A4-A10 tile by tile.
-No (Lq x Lk) array exists anywhere; scratch memory is a few (block_q x block_k) tiles
-per worker.  Tiles that the mask rule (:class:`MaskSpec`) excludes entirely are skipped.
+The forward sweeps key/value tiles for each query tile with an online softmax (F3) and
+keeps only the output and the row log-sum-exp (F1).  The backward is FlashAttention's
+three named steps: :func:`preprocess_delta` (A6), :func:`tile_probs` (F2: P of one tile
+recomputed from the lse) and :func:`tile_grads` (A4-A10, V1-V7 on one tile).  No
+(Lq x Lk) array exists anywhere; scratch memory is a few (block_q x block_k) tiles per
+worker.  Tiles that the mask rule (:class:`MaskSpec`) excludes entirely are skipped, so a
+causal mask halves the work and a window of w keys makes it O(N w).
 
-    (T1) lse_i = log sum_j exp(S_ij)  over allowed j;  -inf for a row with nothing allowed
-    (T2) P_ij = exp(S_ij - lse_i)  for allowed j, else 0;  0 for a row with lse_i = -inf
-    (T3) online softmax: m' = max(m, rowmax S_tile),  l' = l e^(m - m') + rowsum e^(S_tile - m'),
-         acc' = acc e^(m - m') + e^(S_tile - m') V_tile;  O = acc / l,  lse = m + log l
+    (F1) lse_i = log( e^sink + sum_j exp(S_ij) )  over allowed j (no sink term without
+         sinks);  -inf for a row with nothing allowed and no sink
+    (F2) P_ij = exp(S_ij - lse_i)  for allowed j, else 0;  0 for a row with lse_i = -inf
+    (F3) online softmax: m' = max(m, rowmax S_tile),  l' = l e^(m - m') + rowsum e^(S_tile - m'),
+         acc' = acc e^(m - m') + (e^(S_tile - m') [Z / (1 - p)]) V_tile;  O = acc / l,
+         lse = m + log l;  with sinks m, l start at (sink, 1), else at (-inf, 0)
 
-Work is split across (batch, head) units on Python threads, BLAS single-threaded in each
-(:mod:`attngrad.core.parallel`).  NumPy arrays only; the dense path serves other kinds.
+Why one sweep serves dK, dV and dQ here: on a GPU, FlashAttention splits the backward into
+a K/V-stationary loop (dK, dV) and a Q-stationary one (dQ), because many thread blocks
+adding into one dQ tile need atomics.  On a CPU one worker owns a whole (batch, key/value
+head) unit: it keeps each K/V tile, sweeps the Q tiles of every query head of its group,
+and adds into that head's dQ rows, which no other worker touches.  So one sweep computes
+each tile's P and dS once and feeds all three gradients, deterministically.
+
+Work is split across units on Python threads, BLAS single-threaded in each
+(:mod:`attngrad.core.parallel`); every reduction runs in a fixed order, so results are
+bitwise identical whatever the thread count.  NumPy arrays only.
 """
 
 from __future__ import annotations
@@ -23,9 +34,12 @@ from typing import NamedTuple
 import numpy as np
 
 from ._xp import Array
+from .dense import dense_forward, reduce_to_shape
+from .dropout import keep_tile
+from .logits import alibi_distance, form_logits, softcap_backward
 from .masks import MaskSpec
 from .parallel import check_threads, run_units
-from .sdpa import SDPAShape, check_dout, reduce_to_shape
+from .problem import Problem, SDPAShape
 
 DEFAULT_BLOCK_Q = 256
 DEFAULT_BLOCK_K = 256
@@ -34,6 +48,9 @@ DEFAULT_BLOCK_K = 256
 # `attngrad bench`: dense 1.6x, tiled 2.0x SDPA's time at B=1 H=8 N=1024, non-causal); above
 # it the tiled path keeps memory O(N) and is faster for causal masks (tiles skipped).
 AUTO_TILED_MIN_ENTRIES = 1 << 24
+# A bias broadcast over batch or heads gets its gradient summed by several units: each of
+# this many fixed slots owns a float64 partial, summed in slot order (deterministic).
+_BIAS_SLOTS = 4
 
 
 class Tiling(NamedTuple):
@@ -45,38 +62,45 @@ class Tiling(NamedTuple):
 class TiledCache(NamedTuple):
     """What :func:`tiled_backward` needs.
 
-    Memory: O(N).  q, k, v and the output are kept by reference (cast only for half
-    precision), plus lse, B*H*Lq values; the bias (if any) by reference.
+    Memory: O(N).  q, k, v are the inputs by reference (cast only for half precision);
+    ``out`` is the path's own buffer (the caller gets a copy), plus lse (B*H*Lq values)
+    and, where some row has fewer than two keys, one flag per row.
     """
 
     q: Array  # (B, H, Lq, D)      compute dtype
     k: Array  # (B, Hkv, Lk, D)
     v: Array  # (B, Hkv, Lk, Dv)
     out: Array  # (B, H, Lq, Dv)    compute dtype
-    lse: Array  # (B, H, Lq)        (T1), -inf where a row attends nothing
-    spec: MaskSpec
-    bias: Array | None  # (b, h, lq, lk), each 1 or full, compute dtype
-    scale: float
-    shape: SDPAShape
-    bias_shape: tuple | None  # the caller's bias shape, for reducing dBias
-    dtype: object  # the caller's dtype
+    lse: Array  # (B, H, Lq)        (F1), -inf where a row attends nothing
+    flat: Array | None  # (B, H, Lq) bool: rows with a constant softmax (< 2 keys, no sink)
+    problem: Problem
     tiling: Tiling
+
+    @property
+    def scale(self) -> float:
+        return self.problem.scale
+
+    @property
+    def shape(self) -> SDPAShape:
+        return self.problem.shape
+
+    @property
+    def dtype(self):
+        return self.problem.dtype
+
+    @property
+    def bias_shape(self):
+        return self.problem.bias_shape
+
+    @property
+    def spec(self) -> MaskSpec:
+        return self.problem.spec
 
     @property
     def p(self) -> Array:
         """The probabilities (B, Hkv, G*Lq, Lk), laid out as :class:`SDPACache`'s ``p``,
-        rebuilt from lse on request (T2) for attention maps: O(Lq Lk) memory, only here."""
-        B, H, Hkv, Lq, Lk, _, _ = self.shape
-        allowed = self.spec.block(np)  # (b, h, Lq, Lk) bool or None
-        s = (self.q * self.scale) @ np.swapaxes(self.k, -1, -2).repeat(self.shape.group, axis=1)  # (A1)
-        if self.bias is not None:
-            s = s + self.bias  # (A1) (B, H, Lq, Lk)
-        lse = np.where(np.isfinite(self.lse), self.lse, np.inf)[..., None]  # (B, H, Lq, 1)
-        with np.errstate(invalid="ignore", over="ignore"):
-            p = np.exp(s - lse)  # (T2)
-        if allowed is not None:
-            p = np.where(allowed, p, 0)  # (A2) by structure
-        return p.reshape(B, Hkv, (H // Hkv if Hkv else 0) * Lq, Lk)
+        rebuilt on request by the dense path (for attention maps): O(Lq Lk) memory, only here."""
+        return dense_forward(np, self.q, self.k, self.v, self.problem)[1].p
 
 
 def make_tiling(block_q=None, block_k=None, threads=None) -> Tiling:
@@ -119,13 +143,14 @@ SKIP = "skip"  # a tile with nothing allowed
 class TileMasks:
     """:meth:`MaskSpec.block` per tile of head (b, h), with tile skipping.
 
-    For a purely causal mask the tile does not depend on (b, h) and is remembered, so each
-    diagonal tile is built once per call (O(N) memory: only diagonal tiles are masked).
+    When the rule depends on positions only (causal, window), a tile does not depend on
+    (b, h) and is remembered: O(N) tiles at most (those on the diagonal or the band's edges).
+    Packed segments skip a tile whose query and key segment ranges do not meet.
     """
 
     def __init__(self, spec: MaskSpec):
         self.spec = spec
-        self.memo = {} if spec.mask is None and spec.keys is None else None
+        self.memo = {} if spec.positional else None
 
     def __call__(self, b: int, h: int, q0: int, q1: int, k0: int, k1: int):
         """SKIP, None (all allowed) or a :class:`TileMask` for tile [q0, q1) x [k0, k1)."""
@@ -136,7 +161,11 @@ class TileMasks:
             return None
         if self.memo is not None and (q0, k0) in self.memo:
             return self.memo[q0, k0]
-        allowed = _index(spec.block(np, q0, q1, k0, k1), b, h)  # (bq|1, bk|1)
+        if spec.q_seg is not None:  # (V6) no common segment: nothing to do here
+            qs, ks = spec.q_seg[b, q0:q1], spec.kv_seg[b, k0:k1]
+            if qs.max() < ks.min() or ks.max() < qs.min():
+                return SKIP
+        allowed = _index(spec.block(np, q0, q1, k0, k1, b=b), 0, h)  # (bq|1, bk|1)
         if allowed.all():
             tile = None
         elif not allowed.any():
@@ -162,147 +191,241 @@ def _used(x, used):
     return x if used is None else np.where(used[:, None], x, 0)
 
 
-def tiled_forward(q, k, v, spec: MaskSpec, bias, scale: float, sh: SDPAShape, bias_shape, dtype, tiling: Tiling):
+class Head(NamedTuple):
+    """One query head's per-head constants."""
+
+    b: int
+    h: int
+    slope: float | None  # ALiBi slope (V4)
+    sink: float | None  # sink logit (V2)
+
+
+def _head(prob: Problem, b: int, h: int) -> Head:
+    slope = None if prob.alibi is None else prob.alibi[b if prob.alibi.shape[0] > 1 else 0, h]
+    sink = None if prob.sinks is None else prob.sinks[h]
+    return Head(b, h, slope, sink)
+
+
+def tile_logits(prob: Problem, hd: Head, q0, q1, k0, k1, tile, qt, kt, buf):
+    """S of one tile, masked by structure (-inf): (A1, V1, V4, A2).  ``qt`` is scaled when
+    the scale is folded.  Returns ``(s, t)``, t = tanh(S0 / c) with a soft-cap."""
+    s = np.matmul(qt, kt.T, out=buf[: q1 - q0, : k1 - k0])  # (A1) (bq, bk)
+    bias = None if prob.bias is None else _bias_tile(prob.bias, hd.b, hd.h, q0, q1, k0, k1)
+    s, t = form_logits(np, prob, s, bias=bias, slopes=hd.slope, tile=(q0, q1, k0, k1))
+    if tile is not None:
+        np.copyto(s, -np.inf, where=tile.masked)  # (A2) by structure
+    return s, t
+
+
+def _keep(prob: Problem, hd: Head, q0, q1, k0, k1):
+    return keep_tile(prob.dropout_seed, hd.b, hd.h, q0, q1, k0, k1, prob.dropout_p)  # (V3) Z
+
+
+def tiled_forward(q, k, v, prob: Problem, tiling: Tiling):
     """Tiled forward on validated NumPy inputs (compute dtype).  Returns ``(out, cache)``."""
+    sh = prob.shape
     B, H, _, Lq, Lk, _, Dv = sh
     G = sh.group
     bq, bk = min(tiling.block_q, max(Lq, 1)), min(tiling.block_k, max(Lk, 1))
-    out = np.zeros((B, H, Lq, Dv), dtype=q.dtype)  # (B, H, Lq, Dv)
-    lse = np.full((B, H, Lq), -np.inf, dtype=q.dtype)  # (B, H, Lq)   (T1)
+    cdt = q.dtype
+    out = np.zeros((B, H, Lq, Dv), dtype=cdt)  # (B, H, Lq, Dv)
+    lse = np.full((B, H, Lq), -np.inf, dtype=cdt)  # (B, H, Lq)   (F1)
+    count = prob.shift_free and not (prob.spec.is_empty and Lk >= 2)
+    nkeys = np.zeros((B, H, Lq), dtype=np.int64) if count else None  # allowed keys per row
+    keep_scale = cdt.type(1.0 / (1.0 - prob.dropout_p))
     scratch = {}
-    masks = TileMasks(spec)
+    masks = TileMasks(prob.spec)
 
     def work(unit: int, worker: int) -> None:
         b, h = divmod(unit, H)
+        hd = _head(prob, b, h)
         if worker not in scratch:
-            scratch[worker] = np.empty((bq, bk), dtype=q.dtype)
+            scratch[worker] = np.empty((bq, bk), dtype=cdt)
         s_buf = scratch[worker]
         kh, vh = k[b, h // G], v[b, h // G]  # (Lk, D), (Lk, Dv)
+        qh = q[b, h] * prob.scale if prob.fold else q[b, h]  # (Lq, D)
         for q0 in range(0, Lq, bq):
             q1 = min(q0 + bq, Lq)
-            qs = q[b, h, q0:q1] * scale  # (bq, D) scaled queries
-            m = np.full(q1 - q0, -np.inf, dtype=q.dtype)  # (bq,) running row max   (T3)
-            l = np.zeros(q1 - q0, dtype=q.dtype)  # (bq,) running row sum
+            m0, l0 = (-np.inf, 0.0) if hd.sink is None else (hd.sink, 1.0)  # (F3) start
+            m = np.full(q1 - q0, m0, dtype=cdt)  # (bq,) running row max
+            l = np.full(q1 - q0, l0, dtype=cdt)  # (bq,) running row sum
             acc = out[b, h, q0:q1]  # (bq, Dv) written in place
             for k0 in range(0, Lk, bk):
                 k1 = min(k0 + bk, Lk)
                 tile = masks(b, h, q0, q1, k0, k1)
                 if tile is SKIP:
                     continue
-                s = np.matmul(qs, kh[k0:k1].T, out=s_buf[: q1 - q0, : k1 - k0])  # (A1) (bq, bk)
-                if bias is not None:
-                    s += _bias_tile(bias, b, h, q0, q1, k0, k1)  # (A1)
-                if tile is not None:
-                    np.copyto(s, -np.inf, where=tile.masked)  # (A2) by structure
-                m_new = np.maximum(m, s.max(axis=1))  # (T3) (bq,)
+                if nkeys is not None:
+                    nkeys[b, h, q0:q1] += (k1 - k0) if tile is None else (k1 - k0) - tile.masked.sum(axis=1)
+                s, _ = tile_logits(prob, hd, q0, q1, k0, k1, tile, qh[q0:q1], kh[k0:k1], s_buf)
+                m_new = np.maximum(m, s.max(axis=1))  # (F3) (bq,)
                 shift = np.where(np.isfinite(m_new), m_new, 0)  # rows with nothing yet: 0
                 s -= shift[:, None]
-                np.exp(s, out=s)  # (T3) e^(S - m'), 0 where masked
-                alpha = np.exp(m - shift)  # (T3) (bq,) e^(m - m'); 0 when m = -inf
+                np.exp(s, out=s)  # (F3) e^(S - m'), 0 where masked
+                alpha = np.exp(m - shift)  # (F3) (bq,) e^(m - m'); 0 when m = -inf
                 l *= alpha
                 l += s.sum(axis=1)
                 acc *= alpha[:, None]
-                acc += s @ (vh[k0:k1] if tile is None else _used(vh[k0:k1], tile.cols_used))  # (A3) (bq, Dv)
+                if prob.dropout:  # (V3) the kept entries, rescaled
+                    s = np.where(_keep(prob, hd, q0, q1, k0, k1), s * keep_scale, 0)
+                vt = vh[k0:k1] if tile is None else _used(vh[k0:k1], tile.cols_used)
+                acc += s @ vt  # (A3) (bq, Dv)
                 m = m_new
-            has = l > 0  # (bq,) rows that attend something
+            has = l > 0  # (bq,) rows that attend something (or a sink)
             acc /= np.where(has, l, 1)[:, None]  # (A3) O = acc / l; 0 rows stay 0
             with np.errstate(divide="ignore"):
-                lse[b, h, q0:q1] = np.where(has, m + np.log(np.where(has, l, 1)), -np.inf)  # (T1)
+                lse[b, h, q0:q1] = np.where(has, m + np.log(np.where(has, l, 1)), -np.inf)  # (F1)
 
     run_units(work, B * H, tiling.threads)
-    cache = TiledCache(q, k, v, out, lse, spec, bias, scale, sh, bias_shape, dtype, tiling)
-    return out.astype(dtype, copy=False), cache
+    flat = None
+    if prob.shift_free and (nkeys is not None or Lk < 2):
+        flat = (nkeys < 2) if nkeys is not None else np.ones((B, H, Lq), dtype=bool)
+        flat = flat if flat.any() else None
+    cache = TiledCache(q, k, v, out, lse, flat, prob, tiling)
+    return out.astype(prob.dtype, copy=True), cache  # a copy: the caller may write into it
+
+
+def preprocess_delta(do, out):
+    """(A6) delta = rowsum(dO * O): (Lq,)."""
+    return np.einsum("ij,ij->i", do, out)
+
+
+def tile_probs(prob: Problem, hd: Head, q0, q1, k0, k1, tile, qt, kt, lse, buf):
+    """(F2) P of one tile from the saved lse: exp(S - lse), 0 where masked.  Returns (P, t)."""
+    p, t = tile_logits(prob, hd, q0, q1, k0, k1, tile, qt, kt, buf)
+    p -= lse[q0:q1, None]
+    np.exp(p, out=p)
+    return p, t
+
+
+class Acc(NamedTuple):
+    """One unit's gradient accumulators (views into the result arrays)."""
+
+    dq: Array  # (Lq, D)  dS0 K for query head h, scaled at the end
+    dk: Array  # (Lk, D)  dS0^T Q for the key/value head, scaled at the end
+    dv: Array  # (Lk, Dv)
+    db: Array | None  # the bias gradient's (lq|1, lk|1) slice for head h, float64
+    per_head: Array  # (3,) float64: dslope, dscale, dsink for head (b, h)
+
+
+def tile_grads(prob: Problem, hd: Head, q0, q1, k0, k1, tile, p, t, qt_raw, kt, vt, do, delta, flat, acc: Acc, buf):
+    """(A4-A10, V1-V7) on one tile: accumulate dV, dK, dQ, dBias and the per-head sums."""
+    keep = _keep(prob, hd, q0, q1, k0, k1) if prob.dropout else None
+    r = p.dtype.type(1.0 / (1.0 - prob.dropout_p))
+    pd = p if keep is None else np.where(keep, p * r, 0)  # (V3) P~
+    acc.dv[k0:k1] += pd.T @ do  # (A4) (bk, Dv)
+    ds = np.matmul(do, vt.T, out=buf[: q1 - q0, : k1 - k0])  # (A5) dP~ (bq, bk)
+    if keep is not None:
+        ds = np.where(keep, ds * r, 0)  # (V3) dP = dP~ Z / (1 - p)
+    ds -= delta[q0:q1, None]
+    ds *= p  # (A7) dS = P * (dP - delta)  (bq, bk)
+    if flat is not None and flat[q0:q1].any():
+        ds[flat[q0:q1]] = 0  # (A7) constant softmax rows: dS = 0 exactly
+    if acc.db is not None:
+        _add_bias_grad(acc.db, ds, q0, q1, k0, k1)  # (A10)
+    if prob.alibi is not None:  # (V4)
+        acc.per_head[0] -= np.vdot(ds, alibi_distance(np, ds.dtype, q0, q1, k0, k1, prob.spec.offset))
+    ds = softcap_backward(np, ds, t)  # (V1) dS0
+    acc.dk[k0:k1] += ds.T @ qt_raw  # (A9) scaled below  (bk, D)
+    g = ds @ kt  # (A8) dS0 K  (bq, D)
+    acc.dq[q0:q1] += g
+    if prob.scale_grad:
+        acc.per_head[1] += np.vdot(qt_raw, g)  # (V7) sum(Q * dS0 K)
+
+
+def _add_bias_grad(db, ds, q0, q1, k0, k1) -> None:
+    """db[q-tile, k-tile] += dS, summed over the axes along which the bias broadcasts."""
+    t = db
+    if t.shape[0] == 1:
+        ds = ds.sum(axis=0, keepdims=True, dtype=np.float64)
+    else:
+        t = t[q0:q1]
+    if t.shape[1] == 1:
+        t += ds.sum(axis=1, keepdims=True, dtype=np.float64)
+    else:
+        t[:, k0:k1] += ds
+
+
+def _slots(prob: Problem):
+    """Units (b, hk) grouped into slots that write disjoint parts of every result, each
+    slot's units in a fixed order; and whether slots need their own bias partials."""
+    B, _, Hkv = prob.shape[:3]
+    pairs = [(b, hk) for b in range(B) for hk in range(Hkv)]
+    bias = prob.bias
+    if bias is None or ((bias.shape[0] > 1 or B == 1) and (bias.shape[1] > 1 or Hkv == 1)):
+        return [[u] for u in pairs], False
+    n = min(len(pairs), _BIAS_SLOTS)
+    return [pairs[s::n] for s in range(n)], True
 
 
 def tiled_backward(dout, cache: TiledCache) -> dict:
-    """Closed-form gradients (A4-A10) recomputing P tile by tile (T2).
-
-    Returns ``{"q", "k", "v"}`` plus ``"bias"`` (reduced to the bias's shape) as
-    :func:`attngrad.sdpa_backward` does.
-    """
-    sh = cache.shape
+    """Closed-form gradients (A4-A10, V1-V7) recomputing P tile by tile (F2); dOut
+    validated.  Returns the keys :func:`attngrad.sdpa_backward` documents."""
+    prob, q, k, v = cache.problem, cache.q, cache.k, cache.v
+    sh = prob.shape
     B, H, Hkv, Lq, Lk, D, Dv = sh
     G = sh.group
-    check_dout(dout, sh)
-    if not isinstance(dout, np.ndarray):
-        raise TypeError(f"dout must be a NumPy array for the tiled path; got {type(dout).__name__}")
-    q, k, v, out, spec, bias, scale = cache.q, cache.k, cache.v, cache.out, cache.spec, cache.bias, cache.scale
     cdt = q.dtype
     do_all = dout.astype(cdt, copy=False)  # (B, H, Lq, Dv)
     bq, bk = min(cache.tiling.block_q, max(Lq, 1)), min(cache.tiling.block_k, max(Lk, 1))
     dq = np.zeros((B, H, Lq, D), dtype=cdt)
     dk = np.zeros((B, Hkv, Lk, D), dtype=cdt)
     dv = np.zeros((B, Hkv, Lk, Dv), dtype=cdt)
-    # dBias: workers share one array when their units write disjoint parts of it.
-    shared_db = bias is not None and bias.shape[0] == B and bias.shape[1] == H
-    dbias = {0: np.zeros(bias.shape, dtype=cdt)} if bias is not None else {}  # worker -> partial
+    per_head = np.zeros((B, H, 3), dtype=np.float64)  # dslope, dscale per (b, h)
+    slots, own_partials = _slots(prob)
+    db_shape = None if prob.bias is None else prob.bias.shape
+    partials = [np.zeros(db_shape) for _ in (slots if own_partials else [0])] if db_shape else None
     scratch = {}
-    masks = TileMasks(spec)
+    masks = TileMasks(prob.spec)
 
-    def work(unit: int, worker: int) -> None:
-        b, hk = divmod(unit, Hkv)
+    def work(slot: int, worker: int) -> None:
         if worker not in scratch:
             scratch[worker] = (np.empty((bq, bk), dtype=cdt), np.empty((bq, bk), dtype=cdt))
-            if bias is not None and not shared_db and worker not in dbias:
-                dbias[worker] = np.zeros(bias.shape, dtype=cdt)
         s_buf, dp_buf = scratch[worker]
-        db = dbias[0 if shared_db else worker] if bias is not None else None
-        kh, vh = k[b, hk], v[b, hk]  # (Lk, D), (Lk, Dv)
-        dkh, dvh = dk[b, hk], dv[b, hk]  # (Lk, D), (Lk, Dv) accumulated over the group
-        for h in range(hk * G, (hk + 1) * G):
-            qs = q[b, h] * scale  # (Lq, D) scaled queries
-            do = do_all[b, h]  # (Lq, Dv)
-            delta = np.einsum("ij,ij->i", do, out[b, h])  # (A6) (Lq,) rowsum(dO * O)
-            lse = cache.lse[b, h]
-            lse = np.where(np.isfinite(lse), lse, np.inf)  # (T2) empty rows: P = e^-inf = 0
-            dqh = dq[b, h]  # (Lq, D)
-            for k0 in range(0, Lk, bk):
-                k1 = min(k0 + bk, Lk)
-                for q0 in range(0, Lq, bq):
-                    q1 = min(q0 + bq, Lq)
-                    tile = masks(b, h, q0, q1, k0, k1)
-                    if tile is SKIP:
-                        continue
-                    qt, kt, vt = qs[q0:q1], kh[k0:k1], vh[k0:k1]  # (bq, D), (bk, D), (bk, Dv)
-                    if tile is not None:
-                        qt, kt, vt = _used(qt, tile.rows_used), _used(kt, tile.cols_used), _used(vt, tile.cols_used)
-                    p = np.matmul(qt, kt.T, out=s_buf[: q1 - q0, : k1 - k0])  # (A1) (bq, bk)
-                    if bias is not None:
-                        p += _bias_tile(bias, b, h, q0, q1, k0, k1)  # (A1)
-                    if tile is not None:
-                        np.copyto(p, -np.inf, where=tile.masked)  # (A2) by structure
-                    p -= lse[q0:q1, None]
-                    np.exp(p, out=p)  # (T2) P, 0 where masked
-                    dvh[k0:k1] += p.T @ do[q0:q1]  # (A4) (bk, Dv)
-                    ds = np.matmul(do[q0:q1], vt.T, out=dp_buf[: q1 - q0, : k1 - k0])  # (A5) dP
-                    ds -= delta[q0:q1, None]
-                    ds *= p  # (A7) dS = P * (dP - delta)  (bq, bk)
-                    dkh[k0:k1] += ds.T @ qt  # (A9) scale folded into qt  (bk, D)
-                    dqh[q0:q1] += ds @ kt  # (A8) scale applied below  (bq, D)
-                    if db is not None:
-                        _add_bias_grad(db, ds, b, h, q0, q1, k0, k1)  # (A10)
-            dqh *= scale  # (A8)
+        db_all = None if partials is None else partials[slot if own_partials else 0]
+        for b, hk in slots[slot]:
+            kh, vh = k[b, hk], v[b, hk]  # (Lk, D), (Lk, Dv)
+            for h in range(hk * G, (hk + 1) * G):
+                hd = _head(prob, b, h)
+                q_raw = q[b, h]  # (Lq, D)
+                qh = q_raw * prob.scale if prob.fold else q_raw  # (Lq, D) as the forward used it
+                do = do_all[b, h]  # (Lq, Dv)
+                delta = preprocess_delta(do, cache.out[b, h])  # (A6) (Lq,)
+                lse = np.where(np.isfinite(cache.lse[b, h]), cache.lse[b, h], np.inf)  # (F2) empty rows: P = 0
+                flat = None if cache.flat is None else cache.flat[b, h]
+                db = None if db_all is None else _index(db_all, b, h)
+                acc = Acc(dq[b, h], dk[b, hk], dv[b, hk], db, per_head[b, h])
+                for k0 in range(0, Lk, bk):
+                    k1 = min(k0 + bk, Lk)
+                    for q0 in range(0, Lq, bq):
+                        q1 = min(q0 + bq, Lq)
+                        tile = masks(b, h, q0, q1, k0, k1)
+                        if tile is SKIP:
+                            continue
+                        qt, qr, kt, vt = qh[q0:q1], q_raw[q0:q1], kh[k0:k1], vh[k0:k1]
+                        if tile is not None:
+                            qt, qr = _used(qt, tile.rows_used), _used(qr, tile.rows_used)
+                            kt, vt = _used(kt, tile.cols_used), _used(vt, tile.cols_used)
+                        p, t = tile_probs(prob, hd, q0, q1, k0, k1, tile, qt, kt, lse, s_buf)
+                        tile_grads(prob, hd, q0, q1, k0, k1, tile, p, t, qr, kt, vt,
+                                   do[q0:q1], delta, flat, acc, dp_buf)
+                if prob.sinks is not None:  # (V2) dsink_h = -sum_i exp(sink_h - lse_i) delta_i
+                    psink = np.exp(hd.sink - lse)  # (Lq,) 0 for rows with lse = inf (none with sinks)
+                    per_head[b, h, 2] = -np.dot(psink.astype(np.float64), delta)
+                dq[b, h] *= prob.scale  # (A8)
+            dk[b, hk] *= prob.scale  # (A9)
 
-    run_units(work, B * Hkv, cache.tiling.threads)
-    grads = {
-        "q": dq.astype(cache.dtype, copy=False),
-        "k": dk.astype(cache.dtype, copy=False),
-        "v": dv.astype(cache.dtype, copy=False),
-    }
-    if bias is not None:
-        total = sum(dbias.values())
-        grads["bias"] = reduce_to_shape(np, total, cache.bias_shape).astype(cache.dtype, copy=False)
+    run_units(work, len(slots), cache.tiling.threads)
+    grads = {"q": dq, "k": dk, "v": dv}
+    if partials is not None:
+        total = partials[0]
+        for part in partials[1:]:
+            total = total + part  # slot order: deterministic
+        grads["bias"] = reduce_to_shape(np, total, prob.bias_shape)  # (A10)
+    if prob.alibi is not None:  # (V4)
+        grads["alibi_slopes"] = per_head[..., 0].sum(axis=0) if len(prob.alibi_shape) == 1 else per_head[..., 0]
+    if prob.sinks is not None:  # (V2)
+        grads["sinks"] = per_head[..., 2].sum(axis=0)
+    if prob.scale_grad:  # (V7)
+        grads["scale"] = np.asarray(per_head[..., 1].sum())
     return grads
-
-
-def _add_bias_grad(db, ds, b, h, q0, q1, k0, k1) -> None:
-    """db[b, h, q-tile, k-tile] += dS, summed over the axes along which the bias broadcasts."""
-    t = _index(db, b, h)  # (lq|1, lk|1) view
-    if t.shape[0] == 1:
-        ds = ds.sum(axis=0, keepdims=True)
-    else:
-        t = t[q0:q1]
-    if t.shape[1] == 1:
-        t += ds.sum(axis=1, keepdims=True)
-    else:
-        t[:, k0:k1] += ds

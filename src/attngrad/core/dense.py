@@ -1,0 +1,228 @@
+"""The dense path: attention with P kept, closed-form backward, any array-API namespace.
+
+    out = softmax(S, masked, with sinks) [dropout] V     S as in :mod:`.logits`   (A1-A3)
+
+Grouped-query attention: queries are viewed as (B, Hkv, G*Lq, D) so one GEMM per key/value
+head serves its whole group, and dK, dV are summed over the group by that same GEMM: K and
+V are never repeated.  Equations A1-A10, V1-V7 of docs/equations.md.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+from ._xp import Array
+from .dropout import keep_heads
+from .logits import alibi_distance, form_logits, softcap_backward
+from .parallel import exp_inplace
+from .problem import Problem, SDPAShape
+
+
+class SDPACache(NamedTuple):
+    """What the dense backward needs.
+
+    Memory: P is B*H*Lq*Lk values (the dense path's whole cost; tanh of the soft-cap is as
+    much again, only with ``softcap``); q, k, v are the inputs by reference (k, v, q copied
+    only where masked-out keys or empty rows are zeroed); ``out`` is the path's own buffer,
+    never handed to the caller.
+    """
+
+    q: Array  # (B, Hkv, G*Lq, D)   queries (unscaled), grouped by key/value head, compute dtype
+    k: Array  # (B, Hkv, Lk, D)     masked-out keys zeroed
+    v: Array  # (B, Hkv, Lk, Dv)    masked-out values zeroed
+    p: Array  # (B, Hkv, G*Lq, Lk)  probabilities before dropout, exactly 0 where masked
+    out: Array  # (B, Hkv, G*Lq, Dv)
+    t: Array | None  # (B, Hkv, G*Lq, Lk) tanh(S0 / c) with a soft-cap, else None   (V1)
+    psink: Array | None  # (B, Hkv, G*Lq, 1) the sink's probability, else None         (V2)
+    flat: Array | None  # (b, Hkv|1, G|1, Lq, 1) bool: rows with a constant softmax (< 2 keys, no sink)
+    problem: Problem
+
+    @property
+    def scale(self) -> float:
+        return self.problem.scale
+
+    @property
+    def shape(self) -> SDPAShape:
+        return self.problem.shape
+
+    @property
+    def dtype(self):
+        return self.problem.dtype
+
+    @property
+    def bias_shape(self):
+        return self.problem.bias_shape
+
+
+def grouped5(xp, a, sh: SDPAShape):
+    """A (b, h, lq, lk)-broadcastable array (4-D, h in {1, H}) viewed as (b, Hkv|1, G|1, lq, lk)."""
+    b, h, lq, lk = a.shape
+    if h == 1:
+        return xp.reshape(a, (b, 1, 1, lq, lk))
+    return xp.reshape(a, (b, sh.kv_heads, sh.group, lq, lk))
+
+
+def per_head5(xp, a, sh: SDPAShape):
+    """(b, H) per-head values viewed as (b, Hkv, G, 1, 1)."""
+    return xp.reshape(a, (a.shape[0], sh.kv_heads, sh.group, 1, 1))
+
+
+def dense_forward(xp, q, k, v, prob: Problem):
+    """Forward on validated inputs in the compute dtype.  Returns ``(out, cache)``."""
+    sh = prob.shape
+    B, H, Hkv, Lq, Lk, D, Dv = sh
+    G = sh.group
+    allowed = prob.spec.block(xp)  # (b, h, Lq, Lk) bool or None
+    allowed5 = None if allowed is None else grouped5(xp, allowed, sh)  # (b, Hkv|1, G|1, Lq, Lk)
+    qg = xp.reshape(q, (B, Hkv, G * Lq, D))  # (B, Hkv, G*Lq, D)
+    if allowed5 is not None:
+        # Structure, not value: entries of masked-out keys and of query rows with no key
+        # cannot reach the result (a NaN there would survive 0 * NaN).       RELIABILITY 1, 4
+        key_used = xp.any(allowed5, axis=(2, 3))[..., None]  # (b, Hkv|1, Lk, 1)
+        row_used = xp.any(allowed5, axis=4, keepdims=True)  # (b, Hkv|1, G|1, Lq, 1)
+        k = xp.where(key_used, k, xp.zeros((), dtype=k.dtype))
+        v = xp.where(key_used, v, xp.zeros((), dtype=v.dtype))
+        lead = row_used.shape[:2]
+        row_used = xp.reshape(xp.broadcast_to(row_used, (*lead, G, Lq, 1)), (*lead, G * Lq, 1))
+        qg = xp.where(row_used, qg, xp.zeros((), dtype=qg.dtype))
+    qs = qg * prob.scale if prob.fold else qg  # exact fold: an (L, D) pass, not (Lq, Lk)
+    s = xp.reshape(qs @ xp.matrix_transpose(k), (B, Hkv, G, Lq, Lk))  # (A1) (B, Hkv, G, Lq, Lk)
+    bias = None if prob.bias is None else grouped5(xp, prob.bias, sh)
+    slopes = None if prob.alibi is None else per_head5(xp, prob.alibi, sh)
+    s, t = form_logits(xp, prob, s, bias=bias, slopes=slopes)  # (A1, V1, V4)
+    sinks = None if prob.sinks is None else per_head5(xp, prob.sinks[None], sh)
+    p, psink = softmax_with_sinks(xp, s, allowed5, sinks, overwrite=True)  # (A2, V2)
+    p = xp.reshape(p, (B, Hkv, G * Lq, Lk))  # (B, Hkv, G*Lq, Lk)
+    out = _dropped(xp, p, prob) @ v  # (A3, V3) (B, Hkv, G*Lq, Dv)
+    cache = SDPACache(
+        qg, k, v, p, out,
+        None if t is None else xp.reshape(t, (B, Hkv, G * Lq, Lk)),
+        None if psink is None else xp.reshape(psink, (B, Hkv, G * Lq, 1)),
+        _flat_rows(xp, allowed5, prob),
+        prob,
+    )
+    return xp.astype(xp.reshape(out, (B, H, Lq, Dv)), prob.dtype, copy=True), cache
+
+
+def _flat_rows(xp, allowed5, prob: Problem):
+    """Rows whose softmax is constant (fewer than two allowed keys, no sink): their dS is
+    exactly 0 (A7).  Decided by structure, so float rounding of dP - delta cannot leak."""
+    if not prob.shift_free:
+        return None
+    if allowed5 is None:
+        return xp.ones((1, 1, 1, 1, 1), dtype=xp.bool) if prob.shape.lk < 2 else None
+    per = prob.shape.lk if allowed5.shape[4] == 1 else 1  # a mask broadcast along the keys
+    flat = xp.sum(xp.astype(allowed5, xp.int32), axis=4, keepdims=True) * per < 2  # (b, Hkv|1, G|1, Lq, 1)
+    return flat if bool(xp.any(flat)) else None
+
+
+def _keep(xp, prob: Problem, like):
+    """Dropout's Z for the problem, laid out as (B, Hkv, G*Lq, Lk), in ``like``'s namespace."""
+    B, H, Hkv, Lq, Lk, _, _ = prob.shape
+    z = keep_heads(prob.dropout_seed, B, H, Lq, Lk, prob.dropout_p)  # (B, H, Lq, Lk) (V3)
+    z = np.reshape(z, (B, Hkv, H // Hkv * Lq if Hkv else 0, Lk))
+    return z if xp is np else xp.asarray(z, device=getattr(like, "device", None))
+
+
+def _dropped(xp, p, prob: Problem):
+    """P~ = P * Z / (1 - p) (V3); P itself without dropout."""
+    if not prob.dropout:
+        return p
+    z = _keep(xp, prob, p)
+    return xp.where(z, p * (1.0 / (1.0 - prob.dropout_p)), xp.zeros((), dtype=p.dtype))
+
+
+def softmax_with_sinks(xp, s, allowed=None, sinks=None, *, overwrite: bool = False):
+    """Row softmax over the last axis with a boolean structure (True = attend) and an
+    optional sink logit per row (broadcast against ``s[..., :1]``) in every denominator.
+
+    Returns ``(P, P_sink)``, P_sink None without sinks.  Max-subtracted: finite for logits
+    of any finite magnitude; masked entries exactly 0; a row with nothing allowed is all 0
+    (never NaN), or attends only its sink.                                      (A2, V2)
+    ``overwrite=True`` lets a NumPy ``s`` be used as the work buffer (it is clobbered).
+    """
+    if s.shape[-1] == 0 and sinks is None:
+        return s, None
+    if allowed is not None:
+        s = xp.where(allowed, s, xp.asarray(-math.inf, dtype=s.dtype))
+    m = xp.max(s, axis=-1, keepdims=True) if s.shape[-1] else xp.full(
+        (*s.shape[:-1], 1), -math.inf, dtype=s.dtype
+    )  # (..., 1) row max
+    if sinks is not None:
+        m = xp.maximum(m, sinks)  # the sink joins the row max
+    m = xp.where(xp.isfinite(m), m, xp.zeros((), dtype=m.dtype))  # empty rows: -inf -> 0
+    if xp is np and (overwrite or allowed is not None):  # s is ours: work in place
+        e = exp_inplace(np.subtract(s, m, out=s))  # masked: exp(-inf) = 0
+    else:
+        e = xp.exp(s - m)  # masked: exp(-inf) = 0
+    z = xp.sum(e, axis=-1, keepdims=True)  # (..., 1)
+    es = None
+    if sinks is not None:
+        es = xp.exp(sinks - m)  # (..., 1) the sink's term             (V2)
+        z = z + es
+    z = xp.where(z > 0, z, xp.ones((), dtype=z.dtype))
+    p = np.divide(e, z, out=e) if xp is np else e / z
+    return p, None if es is None else es / z
+
+
+def masked_softmax(xp, s, allowed=None, *, overwrite: bool = False):
+    """Row softmax over the last axis with a boolean structure (True = attend):  (A2)
+    masked entries exactly 0, a row with nothing allowed all 0 (never NaN)."""
+    return softmax_with_sinks(xp, s, allowed, overwrite=overwrite)[0]
+
+
+def dense_backward(xp, do, cache: SDPACache) -> dict:
+    """Closed-form gradients (A4-A10, V1-V7) from the dense cache; dOut validated, compute
+    dtype, (B, H, Lq, Dv)."""
+    prob = cache.problem
+    sh = prob.shape
+    B, H, Hkv, Lq, Lk, D, Dv = sh
+    G = sh.group
+    p, out, qg, k, v = cache.p, cache.out, cache.q, cache.k, cache.v
+    do = xp.reshape(do, (B, Hkv, G * Lq, Dv))  # (B, Hkv, G*Lq, Dv)
+    dv = xp.matrix_transpose(_dropped(xp, p, prob)) @ do  # (A4) (B, Hkv, Lk, Dv), summed over the group
+    dp = do @ xp.matrix_transpose(v)  # (A5) (B, Hkv, G*Lq, Lk)
+    if prob.dropout:
+        dp = xp.where(_keep(xp, prob, dp), dp * (1.0 / (1.0 - prob.dropout_p)), xp.zeros((), dtype=dp.dtype))  # (V3)
+    delta = xp.sum(do * out, axis=-1, keepdims=True)  # (A6) (B, Hkv, G*Lq, 1)
+    dp -= delta
+    ds = dp
+    ds *= p  # (A7) dS = P * (dP - delta), in dP's buffer  (B, Hkv, G*Lq, Lk)
+    if cache.flat is not None:
+        ds5 = xp.reshape(ds, (B, Hkv, G, Lq, Lk))
+        ds = xp.reshape(xp.where(cache.flat, xp.zeros((), dtype=ds.dtype), ds5), (B, Hkv, G * Lq, Lk))  # (A7)
+    grads = {}
+    if prob.bias is not None:  # (A10)
+        grads["bias"] = reduce_to_shape(xp, xp.reshape(ds, (B, H, Lq, Lk)), prob.bias_shape)
+    if prob.alibi is not None:  # (V4) dslope_h = -sum_ij dS_ij |pos(i) - j|
+        dist = alibi_distance(xp, ds.dtype, 0, Lq, 0, Lk, prob.spec.offset)  # (Lq, Lk)
+        per = -xp.sum(xp.astype(xp.reshape(ds, (B, H, Lq, Lk)) * dist, xp.float64), axis=(2, 3))  # (B, H)
+        grads["alibi_slopes"] = _reduce_heads(xp, per, prob.alibi_shape)
+    if prob.sinks is not None:  # (V2) dsink_h = -sum_i P_sink_i delta_i
+        per = -xp.astype(xp.reshape(cache.psink * delta, (B, H, Lq)), xp.float64)  # (B, H, Lq)
+        grads["sinks"] = xp.sum(xp.sum(per, axis=2), axis=0)  # (H,)
+    ds = softcap_backward(xp, ds, cache.t)  # (V1) dS0
+    dq_raw = ds @ k  # (B, Hkv, G*Lq, D)  dS0 K
+    if prob.scale_grad:  # (V7) dL/dscale = sum(Q * dS0 K)
+        grads["scale"] = xp.sum(xp.astype(qg * dq_raw, xp.float64))
+    dq = prob.scale * dq_raw  # (A8) (B, Hkv, G*Lq, D)
+    dk = (xp.matrix_transpose(ds) @ qg) * prob.scale  # (A9) (B, Hkv, Lk, D)
+    return {"q": xp.reshape(dq, (B, H, Lq, D)), "k": dk, "v": dv, **grads}
+
+
+def _reduce_heads(xp, per, shape: tuple):
+    """(B, H) per-head values summed to the slopes' shape, (H,) or (B, H)."""
+    return xp.sum(per, axis=0) if len(shape) == 1 else per
+
+
+def reduce_to_shape(xp, g, shape: tuple):
+    """Sum a (B, H, Lq, Lk) gradient over the axes that ``shape`` was broadcast along, in
+    float64 (sums of many float32 terms keep float32's accuracy: RELIABILITY 24)."""
+    padded = (1,) * (4 - len(shape)) + tuple(shape)
+    axes = tuple(i for i, (s, f) in enumerate(zip(padded, g.shape, strict=True)) if s == 1 and f != 1)
+    if axes:
+        g = xp.sum(xp.astype(g, xp.float64), axis=axes, keepdims=True)
+    return xp.reshape(g, shape)
