@@ -1,0 +1,113 @@
+"""A :class:`ConformReport` as text (a table per feature family), JSON or JUnit XML."""
+
+from __future__ import annotations
+
+import shlex
+from xml.etree import ElementTree as ET
+
+from .verdict import EPS, FAIL, FLOOR_ULPS, NONDET, PASS, REFUSED, SKIP
+
+COLUMNS = (PASS, FAIL, NONDET, REFUSED, SKIP)
+HEADS = {PASS: "pass", FAIL: "fail", NONDET: "non-det", REFUSED: "refused", SKIP: "skipped"}
+
+
+def rule_text(report) -> str:
+    return (
+        f"float64: max|t-r|/max|r| <= {report.rtol:g}; float32/float16/bfloat16: "
+        f"max|t-r| <= factor x max|plain-r| + {FLOOR_ULPS} ulps x S, factor = {report.factor:g} "
+        "(r: attngrad's float64 closed form; plain: torch.naive in the same dtype; "
+        "S: the case's largest |r|)"
+    )
+
+
+def _families(report) -> list:
+    seen: dict = {}
+    for r in report.results:
+        seen.setdefault(r.family, []).append(r)
+    return list(seen.items())
+
+
+def _skip_note(results) -> str:
+    reasons = sorted({r.reason for r in results if r.verdict == SKIP})
+    return "; ".join(reasons)
+
+
+def repro_command(report, case_id: str) -> str:
+    return f"attngrad conform {shlex.quote(report.target)} --repro {shlex.quote(case_id)}"
+
+
+def worst_errors(report) -> list:
+    """Per (tensor, precision class): (name, class, err, allowed, case id) of the worst case."""
+    worst: dict = {}
+    for r in report.results:
+        for name, e in r.errors.items():
+            cls = "float64" if r.case_id.find("dtype=") < 0 else r.case_id.split("dtype=")[1].split(",")[0]
+            key = (name, cls)
+            ratio = e.err / e.allowed if e.allowed > 0 else (0.0 if e.err == 0 else float("inf"))
+            if key not in worst or ratio > worst[key][0]:
+                worst[key] = (ratio, e.err, e.allowed, r.case_id)
+    order = ["out", "q", "k", "v", "bias", "sinks", "alibi_slopes", "scale"]
+    keys = sorted(worst, key=lambda k: (k[1] != "float64", k[1], order.index(k[0]) if k[0] in order else 99))
+    return [(n, c, *worst[(n, c)][1:]) for n, c in keys]
+
+
+def format_report(report) -> str:
+    lines = [
+        f"attngrad conform {report.target}: {report.note} ({report.protocol} protocol); "
+        f"grid {report.grid}, {len(report.results)} cases, {report.seconds:.0f} s",
+        f"verdict: {rule_text(report)}",
+        "",
+    ]
+    head = f"{'family':<20}" + "".join(f"{HEADS[c]:>9}" for c in COLUMNS) + "  why skipped"
+    lines += [head, "-" * len(head)]
+    for family, results in _families(report):
+        counts = {c: sum(r.verdict == c for r in results) for c in COLUMNS}
+        lines.append(f"{family:<20}" + "".join(f"{counts[c]:>9}" for c in COLUMNS) + "  " + _skip_note(results))
+    worst = worst_errors(report)
+    if worst:
+        lines += ["", "worst error per tensor (relative to max|reference|; allowed; case):"]
+        for name, cls, err, allowed, case_id in worst:
+            label = "out" if name == "out" else f"d{name}"
+            flag = "" if err <= allowed else "  FAIL"
+            lines.append(f"  {label:<14} {cls:<9} {err:9.2e}  allowed {allowed:8.2e}  {case_id}{flag}")
+    bad = [r for r in report.results if r.verdict in (FAIL, NONDET, REFUSED)]
+    if bad:
+        lines += ["", "not passed:"]
+        for r in bad:
+            lines.append(f"  {r.verdict.upper():<17} {r.case_id}")
+            lines.append(f"      {r.reason}")
+            lines.append(f"      {repro_command(report, r.case_id)}")
+    c = report.counts
+    verdict = "all passed" if report.passed else "FAILED"
+    lines += ["", f"{verdict}: {c[PASS]} passed, {c[FAIL]} failed, {c[NONDET]} non-deterministic, "
+                  f"{c[REFUSED]} refused, {c[SKIP]} skipped (skipped cases are never counted as passed)"]
+    return "\n".join(lines)
+
+
+def to_junit(report) -> str:
+    """JUnit XML: a testsuite per feature family, a testcase per case."""
+    c = report.counts
+    root = ET.Element("testsuites", name=f"attngrad conform {report.target}",
+                      tests=str(len(report.results)), failures=str(c[FAIL] + c[NONDET]),
+                      errors=str(c[REFUSED]), skipped=str(c[SKIP]), time=f"{report.seconds:.3f}")
+    for family, results in _families(report):
+        n = {v: sum(r.verdict == v for r in results) for v in COLUMNS}
+        suite = ET.SubElement(root, "testsuite", name=family, tests=str(len(results)),
+                              failures=str(n[FAIL] + n[NONDET]), errors=str(n[REFUSED]),
+                              skipped=str(n[SKIP]))
+        for r in results:
+            case = ET.SubElement(suite, "testcase", classname=f"attngrad.conform.{family}", name=r.case_id)
+            if r.verdict == SKIP:
+                ET.SubElement(case, "skipped", message=r.reason)
+            elif r.verdict in (FAIL, NONDET):
+                el = ET.SubElement(case, "failure", message=r.reason, type=r.verdict)
+                el.text = repro_command(report, r.case_id)
+            elif r.verdict == REFUSED:
+                el = ET.SubElement(case, "error", message=r.reason, type=r.verdict)
+                el.text = repro_command(report, r.case_id)
+    props = ET.Element("properties")
+    for k, v in (("rtol", report.rtol), ("factor", report.factor), ("grid", report.grid),
+                 ("floor_ulps", FLOOR_ULPS), ("eps", ",".join(f"{d}={e:g}" for d, e in EPS.items()))):
+        ET.SubElement(props, "property", name=k, value=str(v))
+    root.insert(0, props)
+    return ET.tostring(root, encoding="unicode", xml_declaration=True)

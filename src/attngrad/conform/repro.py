@@ -1,0 +1,104 @@
+"""``attngrad conform TARGET --repro CASE_ID``: rebuild one case and show where its error sits."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .grid import make_problem, parse_case_id
+from .probes import clean
+from .runner import DEFAULT_FACTOR, DEFAULT_RTOL, _check_number, run_case
+from .targets import grad_names, reference, resolve_target, torch_naive
+from .verdict import REL_FLOOR, SKIP, scale_of
+
+
+def ranges(idx) -> str:
+    """[0, 1, 2, 5, 7, 8] -> '0-2,5,7-8' (at most 8 runs shown)."""
+    idx = sorted(int(i) for i in idx)
+    runs: list = []
+    for i in idx:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    text = ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs[:8])
+    return text + (f",... ({len(runs) - 8} more runs)" if len(runs) > 8 else "")
+
+
+def _where(name: str, got, ref, limit: float, problem) -> list:
+    """Lines locating the entries of ``got`` whose error exceeds ``limit`` (absolute)."""
+    diff = np.abs(got - ref)
+    diff = np.where(np.isfinite(diff), diff, np.inf)  # (same shape as the tensor)
+    bad = diff > limit
+    if not bad.any():
+        return []
+    c = problem.case
+    lines = [f"    {int(bad.sum())} of {bad.size} entries off by more than {limit:.2e}"]
+    worst = np.unravel_index(int(np.argmax(diff)), diff.shape)
+    lines.append(f"    worst at index {tuple(int(i) for i in worst)}: got {got[worst]:.6g}, reference {ref[worst]:.6g}")
+    if name in ("out", "q") and got.ndim == 4:  # (B, H, Lq, X): which heads, which query rows
+        rows = bad.any(axis=3)  # (B, H, Lq)
+        keys_per_row = problem.allowed.sum(axis=3)  # (B, H, Lq)
+        for b, h in zip(*np.nonzero(rows.any(axis=2)), strict=True):
+            r = np.nonzero(rows[b, h])[0]
+            empty = int(np.sum(keys_per_row[b, h, r] == 0))
+            note = f" ({empty} of them fully masked)" if empty else ""
+            lines.append(f"    batch {b} head {h}: query rows {ranges(r)}{note}")
+    elif name in ("k", "v") and got.ndim == 4:  # (B, Hkv, Lk, X): which kv heads, which keys
+        keys = bad.any(axis=3)  # (B, Hkv, Lk)
+        g = c.h // c.hkv
+        used = problem.allowed.any(axis=2)  # (B, H, Lk)
+        for b, hk in zip(*np.nonzero(keys.any(axis=2)), strict=True):
+            j = np.nonzero(keys[b, hk])[0]
+            unused = int(np.sum(~used[b, hk * g:(hk + 1) * g, j].any(axis=0)))
+            note = f" ({unused} of them attended by no query)" if unused else ""
+            lines.append(f"    batch {b} kv head {hk} (query heads {hk * g}-{(hk + 1) * g - 1}): keys {ranges(j)}{note}")
+    elif got.ndim == 1:  # sinks, slopes: per head
+        lines.append(f"    heads {ranges(np.nonzero(bad)[0])}")
+    return lines
+
+
+def reproduce(target, case_id: str, *, protocol=None, features=None,
+              rtol: float = DEFAULT_RTOL, factor: float = DEFAULT_FACTOR) -> tuple[str, bool]:
+    """Rebuild ``case_id`` from its seed, judge ``target`` on it and say where the error sits.
+
+    Returns (text, passed).
+    """
+    rtol = _check_number("rtol", rtol)
+    factor = _check_number("factor", factor)
+    case = parse_case_id(case_id)
+    t = resolve_target(target, protocol=protocol, features=features)
+    result = run_case(t, case, rtol=rtol, factor=factor)
+    lines = [f"case {case.id}", f"  {case.describe()}",
+             f"  target {t.name} ({t.protocol} protocol): {result.verdict.upper()}"
+             + (f": {result.reason}" if result.reason else "")]
+    for name, e in result.errors.items():
+        label = "out" if name == "out" else f"d{name}"
+        extra = f" (plain {e.plain:.2e})" if e.plain is not None else ""
+        lines.append(f"  {label:<14} rel err {e.err:9.2e}  allowed {e.allowed:8.2e}{extra}  {'ok' if e.ok else 'FAIL'}")
+    if result.verdict == SKIP or result.verdict == "pass":
+        return "\n".join(lines), result.verdict != "fail"
+    problem = make_problem(case)
+    ref = reference(problem)
+    try:
+        got = t.run(problem)
+    except Exception as exc:
+        lines.append(f"  the target raised {type(exc).__name__}: {exc}")
+        return "\n".join(lines), False
+    plain = torch_naive(clean(problem)) if case.dtype != "float64" else None
+    names = grad_names(case)
+    tensors = {n: ref.out if n == "out" else ref.grads[n] for n in names}
+    floor = REL_FLOOR * max(scale_of(r) for r in tensors.values())
+    for name in names:
+        r = tensors[name]
+        g = got.out if name == "out" else (got.grads or {}).get(name)
+        if g is None or g.shape != r.shape:
+            continue
+        allowed = result.errors[name].allowed if name in result.errors else rtol
+        limit = allowed * max(scale_of(r), floor)
+        where = _where(name, g, r, limit, problem)
+        if where:
+            lines.append(f"  where {'out' if name == 'out' else 'd' + name} is off:")
+            lines += where
+    if plain is not None:
+        lines.append("  (allowed = factor x the plain torch.naive error in the same dtype + rounding floor)")
+    return "\n".join(lines), False

@@ -1,0 +1,190 @@
+"""Attention implementations for the conform tests, written here (no attngrad maths used).
+
+``NumpyAttention(mutant)`` is a hand-written explicit-protocol kernel (NumPy forward and
+closed-form backward); each ``mutant`` plants one bug that kernel authors really make.
+``torch_sdpa`` and ``flash_func`` are correct plain-torch kernels in the sdpa and flash
+protocols.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+MUTANTS = (
+    "no_delta",  # dS = P * dP: the delta = rowsum(dO * O) term dropped
+    "dk_no_scale",  # dK = dS^T Q without the scale
+    "causal_swap",  # top-left and bottom-right causal exchanged
+    "nan_masked_rows",  # softmax e / sum(e) on rows with nothing allowed: 0 / 0
+    "gqa_mod",  # query head h reads kv head h % Hkv instead of h // (H / Hkv)
+    "dropout_regen",  # the backward regenerates the dropout mask from another stream
+    "dbias_unreduced",  # dBias returned at (B, H, Lq, Lk), not reduced to the bias's shape
+    "softmax_axis",  # softmax over the query axis
+    "dq_random_order",  # dQ summed over key blocks in a random order
+    "fp16_accum",  # a float32 kernel that computes in float16
+)
+
+FEATURES = {"gqa", "dv", "mask", "padding", "fully_masked", "causal", "causal_top_left",
+            "causal_bottom_right", "bias", "bias_grad", "dropout", "float64", "float32", "float16"}
+
+
+class NumpyAttention:
+    """forward(q, k, v, **options) -> (out, ctx); backward(dout, ctx) -> dict."""
+
+    attngrad_features = FEATURES
+
+    def __init__(self, mutant: str | None = None):
+        assert mutant in (None, *MUTANTS), mutant
+        self.mutant = mutant
+
+    def forward(self, q, k, v, *, scale, mask=None, key_lengths=None, causal=None, bias=None,
+                dropout_p=0.0, dropout_seed=None):
+        dt = q.dtype.type
+        work = np.float16 if self.mutant == "fp16_accum" and dt == np.float32 else dt
+        B, H, Lq, _ = q.shape
+        Hkv, Lk = k.shape[1], k.shape[2]
+        heads = np.arange(H) % Hkv if self.mutant == "gqa_mod" else np.arange(H) // (H // Hkv)
+        kk, vv = k[:, heads].astype(work), v[:, heads].astype(work)  # (B, H, Lk, D|Dv)
+        allowed = np.ones((B, H, Lq, Lk), dtype=bool)
+        if causal:
+            align = causal
+            if self.mutant == "causal_swap":
+                align = {"top_left": "bottom_right", "bottom_right": "top_left"}[causal]
+            off = Lk - Lq if align == "bottom_right" else 0
+            allowed &= np.arange(Lk)[None, :] <= np.arange(Lq)[:, None] + off
+        if key_lengths is not None:
+            allowed &= np.arange(Lk)[None, None, None, :] < np.asarray(key_lengths)[:, None, None, None]
+        if mask is not None:
+            allowed &= mask
+        kk = np.where(allowed.any(axis=2)[..., None], kk, 0)  # unused keys cannot reach the result
+        vv = np.where(allowed.any(axis=2)[..., None], vv, 0)
+        s = (q.astype(work) @ np.swapaxes(kk, -1, -2)) * work(scale)  # (B, H, Lq, Lk)
+        if bias is not None:
+            s = s + bias.astype(work)
+        s = np.where(allowed, s, -np.inf)
+        axis = -2 if self.mutant == "softmax_axis" else -1
+        m = np.max(s, axis=axis, keepdims=True)
+        m = np.where(np.isfinite(m), m, 0)
+        e = np.exp(s - m)
+        z = np.sum(e, axis=axis, keepdims=True)
+        with np.errstate(invalid="ignore"):
+            p = e / z if self.mutant == "nan_masked_rows" else e / np.where(z > 0, z, 1)
+        keep = None
+        if dropout_p:
+            import attngrad
+
+            keep = np.asarray(attngrad.dropout_mask(dropout_seed, (B, H, Lq, Lk), dropout_p))
+        pd = p if keep is None else p * keep / work(1 - dropout_p)
+        out = pd @ vv  # (B, H, Lq, Dv)
+        ctx = dict(q=q.astype(work), kk=kk, vv=vv, p=p, pd=pd, heads=heads, hkv=Hkv, scale=scale,
+                   bias_shape=None if bias is None else bias.shape, dt=dt, work=work,
+                   dropout=(dropout_p, dropout_seed), k_shape=k.shape, v_shape=v.shape)
+        return out.astype(dt), ctx
+
+    def backward(self, dout, c):
+        work = c["work"]
+        do = dout.astype(work)
+        p, pd = c["p"], c["pd"]
+        dvv = np.swapaxes(pd, -1, -2) @ do  # (B, H, Lk, Dv)
+        dp = do @ np.swapaxes(c["vv"], -1, -2)  # (B, H, Lq, Lk)
+        rate, seed = c["dropout"]
+        if rate:
+            import attngrad
+
+            if self.mutant == "dropout_regen":
+                seed = seed + 1
+            keep = np.asarray(attngrad.dropout_mask(seed, p.shape, rate))
+            dp = dp * keep / work(1 - rate)
+        delta = 0 if self.mutant == "no_delta" else np.sum(dp * p, axis=-1, keepdims=True)
+        ds = p * (dp - delta)  # (B, H, Lq, Lk)
+        if self.mutant == "dq_random_order":
+            blocks = list(range(0, ds.shape[-1], 4))
+            np.random.default_rng().shuffle(blocks)
+            dq = np.zeros(c["q"].shape, dtype=work)
+            for j in blocks:
+                dq += ds[..., j:j + 4] @ c["kk"][..., j:j + 4, :]
+            dq = dq * c["scale"]
+        else:
+            dq = (ds @ c["kk"]) * work(c["scale"])
+        dkk = np.swapaxes(ds, -1, -2) @ c["q"]  # (B, H, Lk, D)
+        if self.mutant != "dk_no_scale":
+            dkk = dkk * work(c["scale"])
+        dk = np.zeros(c["k_shape"], dtype=np.float64)
+        dv = np.zeros(c["v_shape"], dtype=np.float64)
+        for h, g in enumerate(c["heads"]):
+            dk[:, g] += dkk[:, h]
+            dv[:, g] += dvv[:, h]
+        grads = {"q": dq, "k": dk, "v": dv}
+        if c["bias_shape"] is not None:
+            shape = c["bias_shape"]
+            if self.mutant == "dbias_unreduced":
+                grads["bias"] = ds
+            else:
+                full = (1,) * (4 - len(shape)) + tuple(shape)
+                axes = tuple(i for i, n in enumerate(full) if n == 1 and ds.shape[i] != 1)
+                grads["bias"] = np.sum(ds, axis=axes, keepdims=True).reshape(shape)
+        return {n: g.astype(c["dt"]) for n, g in grads.items()}
+
+
+def torch_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+               enable_gqa=False):
+    """A correct plain-torch kernel with scaled_dot_product_attention's signature."""
+    import torch
+
+    if enable_gqa:
+        g = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(g, dim=1), value.repeat_interleave(g, dim=1)
+    s = (query @ key.transpose(-1, -2)) * scale
+    allowed = torch.ones(s.shape, dtype=torch.bool)
+    if is_causal:
+        allowed = allowed & torch.ones(s.shape[-2:], dtype=torch.bool).tril()
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            allowed = allowed & attn_mask
+        else:
+            allowed = allowed & (attn_mask > -float("inf"))
+            s = s + attn_mask
+    s = s.masked_fill(~allowed, -float("inf"))
+    m = s.amax(dim=-1, keepdim=True).detach()
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    e = torch.exp(s - m)
+    z = e.sum(dim=-1, keepdim=True)
+    p = e / torch.where(z > 0, z, torch.ones_like(z))
+    return p @ torch.where(allowed.any(dim=-2)[..., None], value, torch.zeros_like(value))
+
+
+def flash_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+               softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """A correct plain-torch kernel with flash_attn_func's signature, (B, L, H, D) tensors."""
+    import torch
+
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, L, D)
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    lq, lk = q.shape[2], k.shape[2]
+    s = (q @ k.transpose(-1, -2)) * softmax_scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    i = torch.arange(lq)[:, None] + (lk - lq)  # bottom-right aligned positions
+    j = torch.arange(lk)[None, :]
+    if alibi_slopes is not None:
+        s = s - alibi_slopes.to(s.dtype)[:, None, None] * (i - j).abs().to(s.dtype)
+    left, right = window_size
+    allowed = torch.ones((lq, lk), dtype=torch.bool)
+    if causal:
+        right = 0
+    if left >= 0:
+        allowed &= j >= i - left
+    if right >= 0:
+        allowed &= j <= i + right
+    s = s.masked_fill(~allowed, -float("inf"))
+    m = s.amax(dim=-1, keepdim=True).detach()
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    e = torch.exp(s - m)
+    z = e.sum(dim=-1, keepdim=True)
+    p = e / torch.where(z > 0, z, torch.ones_like(z))
+    return (p @ v).transpose(1, 2)
+
+
+flash_func.attngrad_protocol = "flash"
+flash_func.attngrad_features = {"gqa", "dv", "causal", "causal_bottom_right", "window", "softcap",
+                                "alibi", "float64", "float32"}
