@@ -1,17 +1,17 @@
 """Tiled attention: O(N) memory forward and backward (FlashAttention-2's structure), NumPy.
 
-The forward sweeps key/value tiles for each query tile with an online softmax (F3) and
-keeps only the output and the row log-sum-exp (F1).  The backward is FlashAttention's
+The forward sweeps key/value tiles for each query tile with an online softmax (FA3) and
+keeps only the output and the row log-sum-exp (FA1).  The backward is FlashAttention's
 three named steps: :func:`preprocess_delta` (A6), :func:`tile_probs` (F2: P of one tile
 recomputed from the lse) and :func:`tile_grads` (A4-A10, V1-V7 on one tile).  No
 (Lq x Lk) array exists anywhere; scratch memory is a few (block_q x block_k) tiles per
 worker.  Tiles that the mask rule (:class:`MaskSpec`) excludes entirely are skipped, so a
 causal mask halves the work and a window of w keys makes it O(N w).
 
-    (F1) lse_i = log( e^sink + sum_j exp(S_ij) )  over allowed j (no sink term without
+    (FA1) lse_i = log( e^sink + sum_j exp(S_ij) )  over allowed j (no sink term without
          sinks);  -inf for a row with nothing allowed and no sink
-    (F2) P_ij = exp(S_ij - lse_i)  for allowed j, else 0;  0 for a row with lse_i = -inf
-    (F3) online softmax: m' = max(m, rowmax S_tile),  l' = l e^(m - m') + rowsum e^(S_tile - m'),
+    (FA2) P_ij = exp(S_ij - lse_i)  for allowed j, else 0;  0 for a row with lse_i = -inf
+    (FA3) online softmax: m' = max(m, rowmax S_tile),  l' = l e^(m - m') + rowsum e^(S_tile - m'),
          acc' = acc e^(m - m') + (e^(S_tile - m') [Z / (1 - p)]) V_tile;  O = acc / l,
          lse = m + log l;  with sinks m, l start at (sink, 1), else at (-inf, 0)
 
@@ -71,7 +71,7 @@ class TiledCache(NamedTuple):
     k: Array  # (B, Hkv, Lk, D)
     v: Array  # (B, Hkv, Lk, Dv)
     out: Array  # (B, H, Lq, Dv)    compute dtype
-    lse: Array  # (B, H, Lq)        (F1), -inf where a row attends nothing
+    lse: Array  # (B, H, Lq)        (FA1), -inf where a row attends nothing
     flat: Array | None  # (B, H, Lq) bool: rows with a constant softmax (< 2 keys, no sink)
     problem: Problem
     tiling: Tiling
@@ -229,7 +229,7 @@ def tiled_forward(q, k, v, prob: Problem, tiling: Tiling):
     bq, bk = min(tiling.block_q, max(Lq, 1)), min(tiling.block_k, max(Lk, 1))
     cdt = q.dtype
     out = np.zeros((B, H, Lq, Dv), dtype=cdt)  # (B, H, Lq, Dv)
-    lse = np.full((B, H, Lq), -np.inf, dtype=cdt)  # (B, H, Lq)   (F1)
+    lse = np.full((B, H, Lq), -np.inf, dtype=cdt)  # (B, H, Lq)   (FA1)
     count = prob.shift_free and not (prob.spec.is_empty and Lk >= 2)
     nkeys = np.zeros((B, H, Lq), dtype=np.int64) if count else None  # allowed keys per row
     keep_scale = cdt.type(1.0 / (1.0 - prob.dropout_p))
@@ -246,7 +246,7 @@ def tiled_forward(q, k, v, prob: Problem, tiling: Tiling):
         qh = q[b, h] * prob.scale if prob.fold else q[b, h]  # (Lq, D)
         for q0 in range(0, Lq, bq):
             q1 = min(q0 + bq, Lq)
-            m0, l0 = (-np.inf, 0.0) if hd.sink is None else (hd.sink, 1.0)  # (F3) start
+            m0, l0 = (-np.inf, 0.0) if hd.sink is None else (hd.sink, 1.0)  # (FA3) start
             m = np.full(q1 - q0, m0, dtype=cdt)  # (bq,) running row max
             l = np.full(q1 - q0, l0, dtype=cdt)  # (bq,) running row sum
             acc = out[b, h, q0:q1]  # (bq, Dv) written in place
@@ -258,11 +258,11 @@ def tiled_forward(q, k, v, prob: Problem, tiling: Tiling):
                 if nkeys is not None:
                     nkeys[b, h, q0:q1] += (k1 - k0) if tile is None else (k1 - k0) - tile.masked.sum(axis=1)
                 s, _ = tile_logits(prob, hd, q0, q1, k0, k1, tile, qh[q0:q1], kh[k0:k1], s_buf)
-                m_new = np.maximum(m, s.max(axis=1))  # (F3) (bq,)
+                m_new = np.maximum(m, s.max(axis=1))  # (FA3) (bq,)
                 shift = np.where(np.isfinite(m_new), m_new, 0)  # rows with nothing yet: 0
                 s -= shift[:, None]
-                np.exp(s, out=s)  # (F3) e^(S - m'), 0 where masked
-                alpha = np.exp(m - shift)  # (F3) (bq,) e^(m - m'); 0 when m = -inf
+                np.exp(s, out=s)  # (FA3) e^(S - m'), 0 where masked
+                alpha = np.exp(m - shift)  # (FA3) (bq,) e^(m - m'); 0 when m = -inf
                 l *= alpha
                 l += s.sum(axis=1)
                 acc *= alpha[:, None]
@@ -274,7 +274,7 @@ def tiled_forward(q, k, v, prob: Problem, tiling: Tiling):
             has = l > 0  # (bq,) rows that attend something (or a sink)
             acc /= np.where(has, l, 1)[:, None]  # (A3) O = acc / l; 0 rows stay 0
             with np.errstate(divide="ignore"):
-                lse[b, h, q0:q1] = np.where(has, m + np.log(np.where(has, l, 1)), -np.inf)  # (F1)
+                lse[b, h, q0:q1] = np.where(has, m + np.log(np.where(has, l, 1)), -np.inf)  # (FA1)
 
     run_units(work, B * H, tiling.threads)
     flat = None
@@ -291,7 +291,7 @@ def preprocess_delta(do, out):
 
 
 def tile_probs(prob: Problem, hd: Head, q0, q1, k0, k1, tile, qt, kt, lse, buf):
-    """(F2) P of one tile from the saved lse: exp(S - lse), 0 where masked.  Returns (P, t)."""
+    """(FA2) P of one tile from the saved lse: exp(S - lse), 0 where masked.  Returns (P, t)."""
     p, t = tile_logits(prob, hd, q0, q1, k0, k1, tile, qt, kt, buf)
     p -= lse[q0:q1, None]
     np.exp(p, out=p)
@@ -359,7 +359,7 @@ def _slots(prob: Problem):
 
 
 def tiled_backward(dout, cache: TiledCache) -> dict:
-    """Closed-form gradients (A4-A10, V1-V7) recomputing P tile by tile (F2); dOut
+    """Closed-form gradients (A4-A10, V1-V7) recomputing P tile by tile (FA2); dOut
     validated.  Returns the keys :func:`attngrad.sdpa_backward` documents."""
     prob, q, k, v = cache.problem, cache.q, cache.k, cache.v
     sh = prob.shape
@@ -391,7 +391,7 @@ def tiled_backward(dout, cache: TiledCache) -> dict:
                 qh = q_raw * prob.scale if prob.fold else q_raw  # (Lq, D) as the forward used it
                 do = do_all[b, h]  # (Lq, Dv)
                 delta = preprocess_delta(do, cache.out[b, h])  # (A6) (Lq,)
-                lse = np.where(np.isfinite(cache.lse[b, h]), cache.lse[b, h], np.inf)  # (F2) empty rows: P = 0
+                lse = np.where(np.isfinite(cache.lse[b, h]), cache.lse[b, h], np.inf)  # (FA2) empty rows: P = 0
                 flat = None if cache.flat is None else cache.flat[b, h]
                 db = None if db_all is None else _index(db_all, b, h)
                 acc = Acc(dq[b, h], dk[b, hk], dv[b, hk], db, per_head[b, h])
