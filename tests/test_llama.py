@@ -226,3 +226,76 @@ def test_model_gradients_match_torch(tied):
 def test_config_errors_name_the_option(kwargs, words):
     with pytest.raises((ValueError, TypeError), match=words):
         LlamaConfig(vocab=8, **{"dim": 8, "heads": 2, **kwargs})
+
+
+# ---------------------------------------------------------------- 20 AdamW steps (the preset)
+
+
+PARITY = {
+    "untied-mha": dict(),
+    "tied-gqa-qknorm": dict(kv_heads=2, tie_embeddings=True, qk_norm="rms"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PARITY))
+def test_twenty_adamw_steps_match_pytorch(case):
+    from attngrad.train import data as D
+    from attngrad.train.loop import TrainConfig, loss_and_grads, train_step
+    from attngrad.train.optim import AdamWConfig, adamw_init, lr_at
+
+    tol = 1e-9
+    cfg = TrainConfig(task="reverse", model="llama", steps=20, batch_size=6, symbols=6, min_len=3,
+                      max_len=6, dim=16, heads=4, ffn=24, layers=2, seed=7, dtype="float64",
+                      label_smoothing=0.1 if "qknorm" in case else 0.0,
+                      optim=AdamWConfig(lr=3e-3, warmup=5, clip=0.5), **PARITY[case])
+    mcfg = cfg.model_config
+    params = MODELS["llama"].init(mcfg, cfg.seed)
+    opt = adamw_init(params)
+    tp = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
+    oc = cfg.optim
+    groups = [
+        {"params": [tp[k] for k in params if params[k].ndim >= 2], "weight_decay": oc.weight_decay},
+        {"params": [tp[k] for k in params if params[k].ndim < 2], "weight_decay": 0.0},
+    ]
+    topt = torch.optim.AdamW(groups, lr=oc.lr, betas=(oc.beta1, oc.beta2), eps=oc.eps, foreach=False)
+    stream = D.BatchStream(cfg.task_config, cfg.model, cfg.batch_size, cfg.seed)
+
+    def rel(a, r):
+        return float(np.max(np.abs(a - r)) / max(np.max(np.abs(r)), 1e-300))
+
+    clipped = 0
+    for step in range(1, cfg.steps + 1):
+        batch = stream.next()
+        loss, grads, _ = loss_and_grads(params, cfg, batch, None)
+        topt.zero_grad()
+        logits = t_logits(tp, mcfg, batch["inp"])
+        tloss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), torch.from_numpy(batch["tgt"]).reshape(-1),
+                                ignore_index=D.PAD, label_smoothing=cfg.label_smoothing)
+        tloss.backward()
+        assert abs(loss - tloss.item()) <= tol * abs(tloss.item()), (step, loss, tloss.item())
+        assert grads.keys() == tp.keys()
+        for k, g in grads.items():
+            assert rel(g, tp[k].grad.numpy()) <= tol, (step, k, rel(g, tp[k].grad.numpy()))
+        params, opt, rec = train_step(params, opt, batch, cfg, step)
+        norm = torch.nn.utils.clip_grad_norm_(list(tp.values()), oc.clip)
+        clipped += float(norm) > oc.clip
+        assert abs(rec["grad_norm"] - float(norm)) <= tol * float(norm)
+        for g in topt.param_groups:
+            g["lr"] = lr_at(step, cfg.steps, oc)
+        topt.step()
+        for k, v in params.items():
+            assert rel(v, tp[k].detach().numpy()) <= tol, (step, k)
+    assert clipped > 0, "the clipping path was never exercised"
+
+
+def test_train_config_llama_options():
+    from attngrad.train.loop import TrainConfig
+
+    with pytest.raises(ValueError, match="qk_norm: an option of model='llama' only"):
+        TrainConfig(model="decoder", qk_norm="rms")
+    with pytest.raises(ValueError, match="kv_heads"):
+        TrainConfig(model="llama", kv_heads=3)
+    with pytest.raises(ValueError, match="no dropout"):
+        TrainConfig(model="llama", dropout=0.1)
+    cfg = TrainConfig(model="llama", kv_heads=2, tie_embeddings=True, qk_norm="layer").model_config
+    assert (cfg.num_kv_heads, cfg.tie_embeddings, cfg.qk_norm) == (2, True, "layer")
