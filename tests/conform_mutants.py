@@ -188,3 +188,9 @@ def flash_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_
 flash_func.attngrad_protocol = "flash"
 flash_func.attngrad_features = {"gqa", "dv", "causal", "causal_bottom_right", "window", "softcap",
                                 "alibi", "float64", "float32"}
+
+
+# Module-level targets, for `attngrad conform tests/conform_mutants.py:NAME`.
+correct = NumpyAttention()
+gqa_mod = NumpyAttention("gqa_mod")
+nan_masked_rows = NumpyAttention("nan_masked_rows")
