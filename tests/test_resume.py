@@ -12,23 +12,24 @@ import subprocess
 import sys
 import textwrap
 import time
-from dataclasses import asdict
 
 import numpy as np
 import pytest
 
 from attngrad.train.checkpoint import list_checkpoints, load_checkpoint
 from attngrad.train.loop import TrainConfig, read_metrics, train
+from attngrad.train.optim import AdamWConfig
 
 CFG = TrainConfig(task="reverse", model="encdec", steps=24, batch_size=8, symbols=6, min_len=3, max_len=5,
-                  dim=16, heads=2, ffn=32, layers=1, dropout=0.1, warmup=4, eval_every=12, eval_size=16,
+                  dim=16, heads=2, ffn=32, layers=1, dropout=0.1, optim=AdamWConfig(warmup=4), eval_every=12,
+                  eval_size=16,
                   ckpt_every=4, keep_ckpts=2, seed=3)
 
 DRIVER = textwrap.dedent(
     """
     import json, os, signal, sys
     from attngrad.train.loop import Hooks, TrainConfig, train
-    cfg = TrainConfig(**json.loads(sys.argv[1]))
+    cfg = TrainConfig.from_flat(json.loads(sys.argv[1]))
     out, mode, arg, resume = sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5] == "1"
     saves = [0]
 
@@ -56,7 +57,7 @@ def _env():
 def _drive(tmp_path, cfg, out, mode, arg, resume):
     script = tmp_path / "driver.py"
     script.write_text(DRIVER)
-    return subprocess.run([sys.executable, str(script), json.dumps(asdict(cfg)), str(out), mode, str(arg),
+    return subprocess.run([sys.executable, str(script), json.dumps(cfg.to_flat()), str(out), mode, str(arg),
                            "1" if resume else "0"], env=_env(), capture_output=True, text=True, timeout=120)
 
 
@@ -128,9 +129,10 @@ def test_cli_killed_from_outside_then_resumed(tmp_path, reference):
             "--min-len", "3", "--max-len", "5", "--dim", "16", "--heads", "2", "--ffn", "32", "--layers", "1",
             "--dropout", "0.1", "--warmup", "4", "--eval-every", "12", "--eval-size", "16",
             "--ckpt-every", "4", "--keep-ckpts", "2", "--seed", "3"]
-    assert CFG == TrainConfig(task="reverse", model="encdec", steps=24, batch_size=8, symbols=6, min_len=3,
-                              max_len=5, dim=16, heads=2, ffn=32, layers=1, dropout=0.1, warmup=4,
-                              eval_every=12, eval_size=16, ckpt_every=4, keep_ckpts=2, seed=3)
+    assert CFG == TrainConfig.from_flat(dict(task="reverse", model="encdec", steps=24, batch_size=8, symbols=6,
+                                             min_len=3, max_len=5, dim=16, heads=2, ffn=32, layers=1, dropout=0.1,
+                                             warmup=4, eval_every=12, eval_size=16, ckpt_every=4, keep_ckpts=2,
+                                             seed=3))
     cmd = [sys.executable, "-m", "attngrad", "train", *opts, "--out", str(out), "--quiet", "--no-plots"]
     proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 60

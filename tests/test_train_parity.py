@@ -17,7 +17,7 @@ from attngrad.models import MODELS  # noqa: E402
 from attngrad.nn.dropout import dropout_mask  # noqa: E402
 from attngrad.train import data as D  # noqa: E402
 from attngrad.train.loop import TrainConfig, loss_and_grads, train_step  # noqa: E402
-from attngrad.train.optim import adamw_init, lr_at  # noqa: E402
+from attngrad.train.optim import AdamWConfig, adamw_init, lr_at  # noqa: E402
 
 TOL = 1e-9
 
@@ -127,12 +127,13 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_twenty_steps_match_pytorch(case):
     cfg = TrainConfig(task="reverse", steps=20, batch_size=6, symbols=6, min_len=3, max_len=6, dim=16,
-                      heads=2, ffn=24, layers=2, lr=3e-3, warmup=5, clip=0.5, seed=7, dtype="float64",
+                      heads=2, ffn=24, layers=2, optim=AdamWConfig(lr=3e-3, warmup=5, clip=0.5), seed=7,
+                      dtype="float64",
                       **CASES[case])
     params = MODELS[cfg.model].init(cfg.model_config, cfg.seed)
     opt = adamw_init(params)
     tm = TorchModel(cfg, params)
-    oc = cfg.optim_config
+    oc = cfg.optim
     groups = [
         {"params": [tm.p[k] for k in params if params[k].ndim >= 2], "weight_decay": oc.weight_decay},
         {"params": [tm.p[k] for k in params if params[k].ndim < 2], "weight_decay": 0.0},
@@ -167,7 +168,7 @@ def test_twenty_steps_match_pytorch(case):
 
 
 def test_schedule_warmup_then_cosine_to_floor():
-    cfg = TrainConfig(lr=1e-2, warmup=10, min_lr_ratio=0.1, steps=110).optim_config
+    cfg = AdamWConfig(lr=1e-2, warmup=10, min_lr_ratio=0.1)
     assert lr_at(1, 110, cfg) == pytest.approx(1e-3)
     assert lr_at(10, 110, cfg) == pytest.approx(1e-2)
     assert lr_at(60, 110, cfg) == pytest.approx(1e-2 * (0.1 + 0.9 * 0.5))

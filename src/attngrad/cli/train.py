@@ -5,13 +5,15 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from dataclasses import fields
 from pathlib import Path
 
+from ..core.parallel import blas_threads
+from ..distributed import trainrun
 from ..models import MODELS
 from ..nn.activations import ACTIVATIONS
 from ..train.data import TASKS
-from ..train.loop import RESUMABLE, TrainConfig, blas_threads, resolve_resume, stored_config, train
+from ..train.loop import RESUMABLE, TrainConfig, flat_fields, resolve_resume, stored_config, train
+from ..train.text import describe as describe_text
 
 
 def _int(lo: int):
@@ -43,7 +45,7 @@ def _float(lo: float, hi: float, hi_open=False):
     return parse
 
 
-_D = {f.name: f.default for f in fields(TrainConfig)}
+_D = TrainConfig().to_flat()  # the defaults, optimizer options included
 
 # (flag, field, parser, help)
 OPTIONS = [
@@ -67,6 +69,9 @@ OPTIONS = [
     ("--eval-size", "eval_size", _int(1), "held-out sequences evaluated"),
     ("--ckpt-every", "ckpt_every", _int(1), "checkpoint period (steps)"),
     ("--keep-ckpts", "keep_ckpts", _int(1), "checkpoints kept"),
+    ("--context", "context", _int(1), "with --data: window length T in bytes"),
+    ("--val-fraction", "val_fraction", _float(0.0, 1.0, hi_open=True),
+     "with --data: held-out tail of the file, in (0, 1)"),
 ]
 
 
@@ -75,7 +80,8 @@ def register(sub) -> None:
         "train",
         help="train a Transformer on a toy task with nothing but hand-derived gradients",
         description=(
-            "Train an encoder-decoder or decoder-only Transformer in pure NumPy (every backward "
+            "Train an encoder-decoder, decoder-only or Llama-style (--model llama: RoPE, RMSNorm, "
+            "SwiGLU, GQA, no biases) Transformer in pure NumPy (every backward "
             "pass closed-form) on copy/reverse/sort, generated in-process. Writes metrics.jsonl, "
             "loss_curve.png, attention_*.png and checkpoints (ckpt-*.npz) to --out."
         ),
@@ -86,6 +92,16 @@ def register(sub) -> None:
     p.add_argument("--dtype", choices=["float32", "float64"], default=None, help=f"parameter dtype (default {_D['dtype']})")
     for flag, name, parse, text in OPTIONS:
         p.add_argument(flag, dest=name, type=parse, default=None, help=f"{text} (default {_D[name]})")
+    p.add_argument("--kv-heads", dest="kv_heads", type=_int(1), default=None, metavar="HKV",
+                   help="--model llama: key/value heads dividing --heads (default: --heads; fewer = "
+                        "grouped-query attention)")
+    p.add_argument("--tie-embeddings", dest="tie_embeddings", action="store_true", default=None,
+                   help="--model llama: output projection = the embedding matrix transposed")
+    p.add_argument("--qk-norm", dest="qk_norm", choices=["rms", "layer"], default=None,
+                   help="--model llama: normalise each head's queries and keys (default: off)")
+    p.add_argument("--data", default=None, metavar="FILE.txt",
+                   help="train a byte-level decoder-only language model on this UTF-8 text file "
+                        "(its last --val-fraction is held out) instead of a toy task")
     p.add_argument("--out", type=Path, required=True, help="output folder (created)")
     p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CKPT",
                    help="continue from the newest checkpoint in --out, or from CKPT")
@@ -93,16 +109,19 @@ def register(sub) -> None:
                    help="BLAS threads (default 1: robust on small shared machines)")
     p.add_argument("--no-plots", dest="plots", action="store_false", help="skip the PNG figures")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    trainrun.add_options(p)  # --nproc, --distributed, --port, --dist-timeout
     p.set_defaults(func=run)
 
 
 def build_config(args) -> TrainConfig:
     """TrainConfig from the options given; when resuming, the checkpoint's options fill
     the rest and a given option that would change the run is an error."""
-    names = [f.name for f in fields(TrainConfig)]
+    names = flat_fields()
     given = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+    if given.get("data") is not None and "model" not in given and args.resume is None:
+        given["model"] = "decoder"  # --data: a decoder-only language model
     if args.resume is None:
-        return TrainConfig(**given)
+        return TrainConfig.from_flat(given)
     stored = stored_config(resolve_resume(args.out, args.resume))
     clash = [n for n, v in given.items() if n not in RESUMABLE and stored.get(n) != v]
     if clash:
@@ -110,23 +129,35 @@ def build_config(args) -> TrainConfig:
             "--resume continues the stored run; these options differ from the checkpoint: "
             + ", ".join(f"{n}={given[n]!r} (checkpoint: {stored.get(n)!r})" for n in clash)
         )
-    return TrainConfig(**{**{n: stored[n] for n in names if n in stored}, **given})
+    return TrainConfig.from_flat({**stored, **given})
 
 
 def run(args) -> int:
     cfg = build_config(args)
-    print(f"attngrad train: {cfg.model} on {cfg.task} (lengths {cfg.min_len}-{cfg.max_len}, "
-          f"{cfg.symbols} symbols), {cfg.steps} steps, batch {cfg.batch_size}, E={cfg.dim}, "
+    if args.nproc > 1 and not args.distributed:  # P local ranks, each this command with --distributed
+        trainrun.check_config(cfg, args.nproc)
+        return trainrun.launch_train(args)
+    what = (f"the bytes of {cfg.data} (context {cfg.context}, last {cfg.val_fraction:g} held out)"
+            if cfg.data is not None else
+            f"{cfg.task} (lengths {cfg.min_len}-{cfg.max_len}, {cfg.symbols} symbols)")
+    print(f"attngrad train: {cfg.model} on {what}, {cfg.steps} steps, batch {cfg.batch_size}, E={cfg.dim}, "
           f"H={cfg.heads}, {cfg.layers} layers, {cfg.dtype} -> {args.out}")
     try:
         with blas_threads(args.threads):
-            res = train(cfg, args.out, resume=args.resume, progress=not args.quiet, plots=args.plots)
+            fit = trainrun.rank_train(args) if args.distributed else train  # --distributed: one rank
+            res = fit(cfg, args.out, resume=args.resume, progress=not args.quiet, plots=args.plots,
+                      warn=lambda text: print(f"attngrad train: {text}", file=sys.stderr))
     except FloatingPointError as exc:  # the run diverged: not bad input, but no traceback either
         print(f"attngrad train: training diverged: {exc}; the last checkpoint in {args.out} is intact",
               file=sys.stderr)
         return 1
-    print(f"held-out exact match {res.eval['eval_exact']:.2%} (token accuracy "
-          f"{res.eval['eval_token_acc']:.2%}) after {res.step} steps, {res.seconds:.1f} s of training")
+    if res.checkpoint is None:  # a data-parallel rank other than 0: rank 0 reports
+        return 0
+    if cfg.data is not None:
+        print(f"{describe_text(res.eval)} after {res.step} steps, {res.seconds:.1f} s of training")
+    else:
+        print(f"held-out exact match {res.eval['eval_exact']:.2%} (token accuracy "
+              f"{res.eval['eval_token_acc']:.2%}) after {res.step} steps, {res.seconds:.1f} s of training")
     print(f"checkpoint: {res.checkpoint}")
     for f in res.figures:
         print(f"figure: {f}")

@@ -8,20 +8,26 @@ count, the data generator's PCG64 state and position; dropout seeds are derived 
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 
+from ..core.parallel import blas_threads  # noqa: F401 - defined once, in core; callers of train.loop use it
 from ..models import MODELS, ModelConfig
+from ..models.llama import LlamaConfig
 from ..nn.loss import cross_entropy_backward, cross_entropy_forward
+from ..resources import require_memory
 from . import data as D
+from . import plots as P
+from . import text as T
 from .checkpoint import (
     CheckpointError,
     checkpoint_path,
@@ -50,19 +56,21 @@ class TrainConfig:
     ffn: int = 128
     layers: int = 2  # encoder layers and decoder layers each
     activation: str = "relu"
+    kv_heads: int | None = None  # llama: key/value heads (None: heads; fewer = grouped-query)
+    tie_embeddings: bool = False  # llama: logits = RMSNorm(x) Emb^T
+    qk_norm: str | None = None  # llama: None, "rms" or "layer" (per-head norm of q and k)
     dropout: float = 0.0
     label_smoothing: float = 0.0
-    lr: float = 2e-3
-    warmup: int = 100
-    min_lr_ratio: float = 0.05
-    weight_decay: float = 0.01
-    clip: float = 1.0
+    optim: AdamWConfig = field(default_factory=AdamWConfig)  # lr, warmup, schedule floor, weight decay, clipping
     seed: int = 0
     dtype: str = "float32"
     eval_every: int = 250
     eval_size: int = 512
     ckpt_every: int = 250
     keep_ckpts: int = 2
+    data: str | None = None  # a UTF-8 text file: byte-level language model (train/text.py)
+    context: int = 64  # text: window length T (bytes)
+    val_fraction: float = 0.1  # text: the held-out tail of the file
 
     def __post_init__(self):
         if self.model not in MODELS:
@@ -75,24 +83,66 @@ class TrainConfig:
             raise ValueError(f"seed must be a non-negative integer; got {self.seed!r}")
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ValueError(f"label_smoothing must be in [0, 1); got {self.label_smoothing!r}")
-        _ = (self.task_config, self.model_config, self.optim_config)  # each validates its part
+        if self.data is not None:
+            T.check_text_options(self.data, self.context, self.val_fraction, self.model)
+        if not isinstance(self.optim, AdamWConfig):
+            raise TypeError(f"optim must be an AdamWConfig; got {type(self.optim).__name__}")
+        if self.model != "llama":
+            only = [n for n, v in (("kv_heads", self.kv_heads), ("tie_embeddings", self.tie_embeddings),
+                                   ("qk_norm", self.qk_norm)) if v not in (None, False)]
+            if only:
+                raise ValueError(f"{', '.join(only)}: {'an option' if len(only) == 1 else 'options'} of "
+                                 f"model='llama' only; got model={self.model!r}")
+        elif self.dropout:
+            raise ValueError(f"model='llama' has no dropout; got dropout={self.dropout!r}")
+        _ = (self.task_config, self.model_config)  # each validates its part
+
+    def warnings(self) -> list[str]:
+        """Settings that are allowed but probably not meant."""
+        out = []
+        if self.optim.warmup >= self.steps:
+            out.append(f"warmup={self.optim.warmup} >= steps={self.steps}: the learning rate only "
+                       f"ramps up and never reaches lr={self.optim.lr:g} (pass --warmup below --steps)")
+        return out
+
+    def to_flat(self) -> dict:
+        """One flat JSON-able mapping (the optimizer's options beside the others): the
+        form stored in checkpoints and spelled by the command line."""
+        top = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "optim"}
+        return {**top, **asdict(self.optim)}
+
+    @classmethod
+    def from_flat(cls, flat: dict) -> TrainConfig:
+        """The inverse of :meth:`to_flat`; options missing from ``flat`` take their defaults."""
+        optim = {k: v for k, v in flat.items() if k in OPTIM_FIELDS}
+        return cls(**{k: v for k, v in flat.items() if k not in OPTIM_FIELDS}, optim=AdamWConfig(**optim))
 
     @property
     def task_config(self) -> D.TaskConfig:
         return D.TaskConfig(self.task, self.symbols, self.min_len, self.max_len)
 
     @property
-    def model_config(self) -> ModelConfig:
+    def model_config(self) -> ModelConfig | LlamaConfig:
+        if self.model == "llama":
+            return LlamaConfig(
+                vocab=T.VOCAB if self.data is not None else D.N_SPECIAL + self.symbols, dim=self.dim,
+                heads=self.heads, kv_heads=self.kv_heads, ffn=self.ffn, layers=self.layers,
+                tie_embeddings=self.tie_embeddings, qk_norm=self.qk_norm, pad_id=D.PAD, dtype=self.dtype,
+            )
         return ModelConfig(
-            vocab=D.N_SPECIAL + self.symbols, dim=self.dim, heads=self.heads, ffn=self.ffn,
+            vocab=T.VOCAB if self.data is not None else D.N_SPECIAL + self.symbols, dim=self.dim, heads=self.heads, ffn=self.ffn,
             enc_layers=self.layers, dec_layers=self.layers, activation=self.activation,
             dropout=self.dropout, pad_id=D.PAD, dtype=self.dtype,
         )
 
-    @property
-    def optim_config(self) -> AdamWConfig:
-        return AdamWConfig(lr=self.lr, weight_decay=self.weight_decay, warmup=self.warmup,
-                           min_lr_ratio=self.min_lr_ratio, clip=self.clip)
+
+
+OPTIM_FIELDS = tuple(f.name for f in fields(AdamWConfig))
+
+
+def flat_fields() -> tuple:
+    """The names of :meth:`TrainConfig.to_flat`, in order."""
+    return tuple(f.name for f in fields(TrainConfig) if f.name != "optim") + OPTIM_FIELDS
 
 
 # Options that may change when resuming without breaking the bitwise continuation.
@@ -125,13 +175,15 @@ def loss_and_grads(params, cfg: TrainConfig, batch: dict, seed=None):
     return loss, grads, lcache.n_valid
 
 
-def train_step(params, opt_state, batch, cfg: TrainConfig, step: int):
+def train_step(params, opt_state, batch, cfg: TrainConfig, step: int, reduce=None):
     """Update number ``step`` (1-based).  Returns (params, opt_state, metrics dict)."""
     seed = (cfg.seed, 3, step) if cfg.dropout > 0 else None
     loss, grads, ntok = loss_and_grads(params, cfg, batch, seed)
-    grads, norm = clip_by_global_norm(grads, cfg.clip)
-    lr = lr_at(step, cfg.steps, cfg.optim_config)
-    params, opt_state = adamw_step(params, grads, opt_state, lr=lr, cfg=cfg.optim_config)
+    if reduce is not None:  # data parallel: the mean over every rank's tokens (distributed/dp.py)
+        loss, grads, ntok = reduce(loss, grads, ntok)
+    grads, norm = clip_by_global_norm(grads, cfg.optim.clip)
+    lr = lr_at(step, cfg.steps, cfg.optim)
+    params, opt_state = adamw_step(params, grads, opt_state, lr=lr, cfg=cfg.optim)
     return params, opt_state, {"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens": ntok}
 
 
@@ -147,7 +199,7 @@ def predict(params, cfg: TrainConfig, sources: list) -> list:
         gen = MODELS["encdec"].greedy_decode(params, mcfg, x, bos=D.BOS, eos=D.EOS, max_len=n)
     else:
         prompt = np.concatenate([np.full((len(x), 1), D.BOS), x, np.full((len(x), 1), D.SEP)], axis=1)
-        gen = MODELS["decoder"].greedy_generate(params, mcfg, prompt, eos=D.EOS, max_new=n)
+        gen = MODELS[cfg.model].greedy_generate(params, mcfg, prompt, eos=D.EOS, max_new=n)
     out = []
     for row in gen:
         row = list(row)
@@ -198,7 +250,7 @@ def _save(out: Path, cfg, step, params, opt, stream, elapsed, hook=None):
         arrays[f"param/{k}"] = params[k]
         arrays[f"adam_m/{k}"] = opt["m"][k]
         arrays[f"adam_v/{k}"] = opt["v"][k]
-    state = {"step": step, "opt_t": opt["t"], "config": asdict(cfg), "data": stream.state(),
+    state = {"step": step, "opt_t": opt["t"], "config": cfg.to_flat(), "data": stream.state(),
              "elapsed": elapsed}
     path = save_checkpoint(checkpoint_path(out, step), arrays, state, hook=hook)
     prune_checkpoints(out, cfg.keep_ckpts)
@@ -225,13 +277,12 @@ def load_for_resume(path: Path, cfg: TrainConfig):
         older = [p for p in list_checkpoints(path.parent) if p != path and p.name < path.name]
         hint = f"; an older checkpoint exists: resume from it with --resume {older[-1]}" if older else ""
         raise CheckpointError(f"{exc}{hint}") from None
-    stored = state["config"]
-    diff = [f.name for f in fields(TrainConfig)
-            if f.name not in RESUMABLE and stored.get(f.name) != getattr(cfg, f.name)]
+    stored, now = _complete(state["config"]), cfg.to_flat()
+    diff = [n for n in now if n not in RESUMABLE and stored[n] != now[n]]
     if diff:
         raise ValueError(
             f"checkpoint {path} was made with different options: "
-            + ", ".join(f"{n}={stored.get(n)!r} (now {getattr(cfg, n)!r})" for n in diff)
+            + ", ".join(f"{n}={stored[n]!r} (now {now[n]!r})" for n in diff)
         )
     params = {k: arrays[f"param/{k}"] for k in init}
     opt = {"t": int(state["opt_t"]), "m": {k: arrays[f"adam_m/{k}"] for k in init},
@@ -240,8 +291,48 @@ def load_for_resume(path: Path, cfg: TrainConfig):
 
 
 def stored_config(path) -> dict:
-    """The TrainConfig fields stored in a (verified) checkpoint."""
-    return load_checkpoint(path)[1]["config"]
+    """The flat TrainConfig options (:meth:`TrainConfig.to_flat`) stored in a (verified)
+    checkpoint; options newer than the checkpoint take their defaults."""
+    return _complete(load_checkpoint(path)[1]["config"])
+
+
+def _complete(stored: dict) -> dict:
+    known = set(flat_fields())
+    return {**TrainConfig().to_flat(), **{k: v for k, v in stored.items() if k in known}}
+
+
+def prepare_out(out: Path, *, fresh: bool) -> None:
+    """Check (and for a fresh run create) the output folder before any work: a path that
+    is a file, cannot be created or already holds a run's checkpoints is refused."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"out must be a folder; {out} exists and is not one")
+    if fresh:
+        if list_checkpoints(out):
+            raise ValueError(f"{out} already holds checkpoints; pass --resume to continue, or choose another --out")
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot create the output folder ({exc.strerror})", str(out)) from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise OSError(errno.EACCES, "the output folder is not writable", str(out))
+
+
+def estimate_memory(cfg: TrainConfig) -> float:
+    """Rough peak bytes of a run: parameters, gradients and AdamW moments, plus the
+    activations the backward keeps (attention probabilities included) and the logits of
+    training and evaluation batches.  Within a small factor; used to refuse what cannot fit."""
+    item = 8 if cfg.dtype == "float64" else 4
+    e, f, h, n, v = cfg.dim, cfg.ffn, cfg.heads, cfg.layers, cfg.model_config.vocab
+    if cfg.data is not None:
+        length = cfg.context
+    else:
+        length = cfg.max_len + 1 if cfg.model == "encdec" else 2 * cfg.max_len + 2
+    blocks, attentions = (3, 3) if cfg.model == "encdec" else (1, 1)  # per layer: enc + dec (+ cross)
+    params = 2 * v * e + n * blocks * (4 * e * e + 2 * e * f)
+    state = 6 * params  # params, grads, m, v and the new params/moments of a step
+    per_seq = length * n * blocks * (12 * e + 3 * f) + 3 * length * v + n * attentions * 3 * h * length**2
+    batch = max(cfg.batch_size, cfg.eval_size)
+    return float(item * (state + batch * per_seq))
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
@@ -259,22 +350,6 @@ def _truncate_metrics(path: Path, step: int) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(s + "\n" for s in keep))
     os.replace(tmp, path)
-
-
-def blas_threads(n: int | None):
-    """Context limiting BLAS threads to ``n`` (threadpoolctl, optional; None = leave as is).
-
-    On a small shared machine one thread is the robust choice: the GEMMs here are small,
-    and OpenBLAS threads spinning on a busy core made steps 4x slower in our measurements."""
-    import contextlib
-
-    if n is None:
-        return contextlib.nullcontext()
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:  # pragma: no cover - optional dependency
-        return contextlib.nullcontext()
-    return threadpool_limits(limits=n, user_api="blas")
 
 
 def read_metrics(path) -> list[dict]:
@@ -345,12 +420,24 @@ class TrainResult:
 
 
 def train(cfg: TrainConfig, out, *, resume=None, progress=True, plots=True, hooks: Hooks | None = None,
-          log=print) -> TrainResult:
-    """Train ``cfg`` into folder ``out``; ``resume``: None, "latest" or a checkpoint path."""
+          log=print, dp=None, warn=None) -> TrainResult:
+    """Train ``cfg`` into folder ``out``; ``resume``: None, "latest" or a checkpoint path.
+
+    Before any work: the figures' matplotlib (``plots``), the memory estimate and the output
+    folder are checked; then ``warn(text)`` (default: ``log``) hears ``cfg.warnings()``."""
+    writer = dp is None or dp.rank == 0  # dp: a distributed.dp.DataParallel (one rank of P)
     out = Path(out)
     hooks = hooks or Hooks()
     model = MODELS[cfg.model]
-    stream = D.BatchStream(cfg.task_config, cfg.model, cfg.batch_size, cfg.seed)
+    text = T.TextTask(cfg) if cfg.data is not None else None  # reads and checks the file first
+    if plots:
+        P.require_matplotlib()  # before any work, not after training
+    require_memory(estimate_memory(cfg), "this training run", hint="use a smaller --dim, --ffn, "
+                   "--layers, --batch-size, --eval-size or shorter sequences")
+    prepare_out(out, fresh=resume is None)
+    for warning in cfg.warnings():
+        (warn or log)(f"warning: {warning}")
+    stream = text.stream(cfg) if text else D.BatchStream(cfg.task_config, cfg.model, cfg.batch_size, cfg.seed)
     metrics_path = out / "metrics.jsonl"
     if resume is not None:
         path = resolve_resume(out, resume)
@@ -358,40 +445,43 @@ def train(cfg: TrainConfig, out, *, resume=None, progress=True, plots=True, hook
         if step > cfg.steps:
             raise ValueError(f"checkpoint {path} is at step {step}, past steps={cfg.steps}")
         stream.set_state(data_state)
-        _truncate_metrics(metrics_path, step)
+        if writer:
+            _truncate_metrics(metrics_path, step)
         log(f"resumed from {path} at step {step}")
     else:
-        if list_checkpoints(out):
-            raise ValueError(f"{out} already holds checkpoints; pass --resume to continue, or choose another --out")
-        out.mkdir(parents=True, exist_ok=True)
         params = model.init(cfg.model_config, cfg.seed)
         opt = adamw_init(params)
         step, elapsed = 0, 0.0
-        metrics_path.write_text("")
-    eval_set = D.eval_sources(cfg.task_config, cfg.eval_size, cfg.seed)
-    bar = Progress(cfg.steps, step, progress)
+        if writer:
+            metrics_path.write_text("")
+    eval_set = text.eval_set(cfg) if text else D.eval_sources(cfg.task_config, cfg.eval_size, cfg.seed)
+    example = T.attention_example(eval_set) if text else max(eval_set[:8], key=len)
+    from ..report.run import save_attention_snapshot, write_run_report
+    bar = Progress(cfg.steps, step, progress and writer)
     last_eval = {}
     ckpt = None
-    with open(metrics_path, "a") as mf:
+    with open(metrics_path if writer else os.devnull, "a") as mf:
         def write(rec):
             mf.write(json.dumps(rec) + "\n")
 
         t_start = time.perf_counter()
         while step < cfg.steps:
-            batch = stream.next()
-            params, opt, rec = train_step(params, opt, batch, cfg, step + 1)
+            batch = stream.next() if dp is None else dp.local_batch(stream.next())
+            params, opt, rec = train_step(params, opt, batch, cfg, step + 1, None if dp is None else dp.reduce)
             step += 1
             if not math.isfinite(rec["loss"]):
                 raise FloatingPointError(f"loss became {rec['loss']} at step {step}")
             now = elapsed + time.perf_counter() - t_start
             write({**rec, "time": round(now, 4)})
             bar.update(step, rec["loss"], rec["tokens"], force=step == cfg.steps)
-            if step % cfg.eval_every == 0 or step == cfg.steps:
-                last_eval = evaluate(params, cfg, eval_set)
+            if writer and (step % cfg.eval_every == 0 or step == cfg.steps):
+                last_eval = text.evaluate(params, cfg, eval_set) if text else evaluate(params, cfg, eval_set)
                 write({"step": step, **last_eval})
-                bar.message(f"step {step}: held-out exact match {last_eval['eval_exact']:.2%}, "
+                save_attention_snapshot(params, cfg, example, out, step)  # for the run's report.html
+                bar.message(f"step {step}: {T.describe(last_eval)}" if text else
+                            f"step {step}: held-out exact match {last_eval['eval_exact']:.2%}, "
                             f"token accuracy {last_eval['eval_token_acc']:.2%}")
-            if step % cfg.ckpt_every == 0 or step == cfg.steps:
+            if writer and (step % cfg.ckpt_every == 0 or step == cfg.steps):  # rank 0 alone writes
                 mf.flush()
                 os.fsync(mf.fileno())  # every metric line <= step is on disk before the checkpoint
                 now = elapsed + time.perf_counter() - t_start
@@ -400,27 +490,32 @@ def train(cfg: TrainConfig, out, *, resume=None, progress=True, plots=True, hook
                 hooks.after_step(step)
         seconds = elapsed + time.perf_counter() - t_start
     bar.close()
+    if not writer:  # another rank of a data-parallel run: rank 0 reports
+        return TrainResult(out, step, params, {}, seconds, None, [], [])
     if ckpt is None:
         ckpt = checkpoint_path(out, step)
     if not last_eval:
-        last_eval = evaluate(params, cfg, eval_set)
-    samples = []
-    for x in eval_set[:5]:
+        last_eval = text.evaluate(params, cfg, eval_set) if text else evaluate(params, cfg, eval_set)
+    samples = text.samples(params, cfg, eval_set, log) if text else []
+    for x in [] if text else eval_set[:5]:
         pred = predict(params, cfg, [x])[0]
         want = [*D.target_of(cfg.task, x).tolist(), D.EOS]
         samples.append((x, pred, pred == want))
         log(f"  {token_str(x):<36} -> {token_str(pred)}  {'ok' if pred == want else 'WRONG'}")
     figures = []
     if plots:
-        from . import plots as P
-
         figures.append(P.plot_loss_curve(read_metrics(metrics_path), out / "loss_curve.png"))
-        figures.extend(P.plot_attention_maps(params, cfg, max(eval_set[:8], key=len), out))
+        figures.extend(P.plot_attention_maps(*attention_for(params, cfg, example), out))
+    figures.append(write_run_report(out))
     return TrainResult(out, step, params, last_eval, seconds, ckpt, samples, figures)
 
 
 def attention_for(params, cfg: TrainConfig, x) -> tuple[dict, dict]:
     """Attention maps of one held-out sample (teacher-forced): (maps, query labels, key labels)."""
+    if cfg.data is not None:  # a text window (ids): the model reads it as it is
+        _, cache = MODELS[cfg.model].forward(params, cfg.model_config, np.asarray(x)[None])  # (1, L, V)
+        toks = T.byte_labels(x)
+        return MODELS[cfg.model].attention_maps(cache), {"decoder_causal": (toks, toks)}
     batch = D.make_batch([x], cfg.task_config, cfg.model)
     mcfg = cfg.model_config
     if cfg.model == "encdec":
@@ -430,8 +525,8 @@ def attention_for(params, cfg: TrainConfig, x) -> tuple[dict, dict]:
         tgt = token_str(batch["tgt_in"][0]).split()
         labels = {"encoder_self": (src, src), "decoder_causal": (tgt, tgt), "cross": (tgt, src)}
     else:
-        _, cache = MODELS["decoder"].forward(params, mcfg, batch["inp"])
-        maps = MODELS["decoder"].attention_maps(cache)
+        _, cache = MODELS[cfg.model].forward(params, mcfg, batch["inp"])
+        maps = MODELS[cfg.model].attention_maps(cache)
         toks = token_str(batch["inp"][0]).split()
         labels = {"decoder_causal": (toks, toks)}
     return maps, labels

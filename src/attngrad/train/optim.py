@@ -22,13 +22,16 @@ import numpy as np
 
 @dataclass(frozen=True)
 class AdamWConfig:
-    lr: float = 1e-3
+    """AdamW, its schedule and clipping.  The defaults are `attngrad train`'s (TrainConfig
+    holds one of these: the optimizer's options are declared here only)."""
+
+    lr: float = 2e-3  # peak learning rate
     beta1: float = 0.9
     beta2: float = 0.98
     eps: float = 1e-9
     weight_decay: float = 0.01
-    warmup: int = 100
-    min_lr_ratio: float = 0.1
+    warmup: int = 100  # linear warmup steps
+    min_lr_ratio: float = 0.05  # the cosine ends at lr * min_lr_ratio
     clip: float = 1.0  # max global gradient norm; 0 = no clipping
 
     def __post_init__(self):

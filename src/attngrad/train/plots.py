@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,15 @@ TITLES = {
 }
 
 
+MISSING = "the figures need matplotlib: pip install 'attngrad[plot]' (or train with --no-plots)"
+
+
+def require_matplotlib() -> None:
+    """ImportError saying which extra to install, before a run that will draw figures."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ImportError(MISSING)
+
+
 def _pyplot():
     try:
         import matplotlib
@@ -20,35 +30,56 @@ def _pyplot():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        raise RuntimeError(
-            "plots need matplotlib: pip install 'attngrad[plot]' (or train with --no-plots)"
-        ) from exc
+        raise ImportError(MISSING) from exc
     return plt
 
 
 def plot_loss_curve(records: list, png) -> Path:
-    """Training loss per step (raw and smoothed) and held-out exact match."""
+    """Training loss per step (raw and smoothed) with the held-out metric: exact match for
+    the toy tasks; for a text run (--data) validation loss, the unigram baseline and, in a
+    second panel, validation perplexity."""
     plt = _pyplot()
     steps = np.array([r["step"] for r in records if "loss" in r])
     loss = np.array([r["loss"] for r in records if "loss" in r])
-    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=100)
-    ax.plot(steps, loss, color="tab:blue", alpha=0.3, lw=0.8, label="loss")
+    val = [r for r in records if "val_loss" in r]
+    fig, axes = plt.subplots(1, 2 if val else 1, figsize=(10.5 if val else 6.4, 3.8), dpi=100,
+                             squeeze=False, layout="constrained")
+    ax = axes[0][0]
+    ax.plot(steps, loss, color="tab:blue", alpha=0.3, lw=0.8, label="training loss (per step)")
     if len(loss) >= 20:
         k = max(len(loss) // 50, 5)
         smooth = np.convolve(loss, np.ones(k) / k, mode="valid")
-        ax.plot(steps[k - 1 :], smooth, color="tab:blue", lw=1.5, label=f"loss (mean of {k})")
+        ax.plot(steps[k - 1 :], smooth, color="tab:blue", lw=1.5, label=f"training loss (mean of {k})")
     ax.set_yscale("log")
     ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy")
-    ev = [(r["step"], r["eval_exact"]) for r in records if "eval_exact" in r]
-    if ev:
-        ax2 = ax.twinx()
-        ax2.plot(*zip(*ev, strict=True), "o-", color="tab:orange", label="held-out exact match")
-        ax2.set_ylim(0, 1.02)
-        ax2.set_ylabel("held-out exact match")
-        ax2.legend(loc="center right", fontsize=8)
-    ax.legend(loc="upper right", fontsize=8)
-    fig.tight_layout()
+    ax.grid(True, which="both", alpha=0.25)
+    if val:
+        ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", color="tab:orange",
+                label="validation loss")
+        if "val_unigram_loss" in val[-1]:
+            u = val[-1]["val_unigram_loss"]
+            ax.axhline(u, color="tab:red", ls="--", lw=1, label=f"unigram baseline ({u:.3f})")
+        ax.set_ylabel("cross-entropy (nats per byte)")
+        ax.set_title("Loss of the byte-level language model")
+        ax.legend(loc="upper right", fontsize=8)
+        ax2 = axes[0][1]
+        ax2.plot([r["step"] for r in val], [r["val_ppl"] for r in val], "o-", color="tab:orange")
+        ax2.set_yscale("log")
+        ax2.set_xlabel("step")
+        ax2.set_ylabel("validation perplexity exp(loss)")
+        ax2.set_title(f"Validation perplexity (last {val[-1]['val_ppl']:.2f})")
+        ax2.grid(True, which="both", alpha=0.25)
+    else:
+        ax.set_ylabel("cross-entropy (nats per token)")
+        ax.set_title("Training loss and held-out exact match")
+        ev = [(r["step"], r["eval_exact"]) for r in records if "eval_exact" in r]
+        if ev:
+            ax2 = ax.twinx()
+            ax2.plot(*zip(*ev, strict=True), "o-", color="tab:orange", label="held-out exact match")
+            ax2.set_ylim(0, 1.02)
+            ax2.set_ylabel("held-out exact match")
+            ax2.legend(loc="center right", fontsize=8)
+        ax.legend(loc="upper right", fontsize=8)
     fig.savefig(png)
     plt.close(fig)
     return Path(png)
@@ -60,12 +91,12 @@ def plot_attention(maps: list, labels: tuple, title: str, png) -> Path:
     n_layers, n_heads = len(maps), maps[0].shape[0]
     qlab, klab = labels
     cell = 0.13 * max(len(qlab), len(klab)) + 0.7
-    fig, axes = plt.subplots(n_layers, n_heads, figsize=(cell * n_heads, cell * n_layers + 0.6),
-                             dpi=90, squeeze=False)
+    fig, axes = plt.subplots(n_layers, n_heads, figsize=(cell * n_heads + 1.0, cell * n_layers + 0.6),
+                             dpi=90, squeeze=False, layout="constrained")
     for l in range(n_layers):
         for h in range(n_heads):
             ax = axes[l][h]
-            ax.imshow(maps[l][h], cmap="viridis", vmin=0, vmax=1, aspect="auto")
+            im = ax.imshow(maps[l][h], cmap="viridis", vmin=0, vmax=1, aspect="auto")
             ax.set_title(f"layer {l} head {h}", fontsize=8)
             ax.set_xticks(range(len(klab)), klab, fontsize=6, rotation=90)
             ax.set_yticks(range(len(qlab)), qlab, fontsize=6)
@@ -73,18 +104,17 @@ def plot_attention(maps: list, labels: tuple, title: str, png) -> Path:
                 ax.set_xlabel("key", fontsize=7)
             if h == 0:
                 ax.set_ylabel("query", fontsize=7)
+    fig.colorbar(im, ax=axes, shrink=0.8, label="attention weight P[query, key]")
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
     fig.savefig(png)
     plt.close(fig)
     return Path(png)
 
 
-def plot_attention_maps(params, cfg, x, out) -> list:
-    """PNGs of every attention flavor of the model for one held-out source ``x``."""
-    from .loop import attention_for
-
-    maps, labels = attention_for(params, cfg, x)
+def plot_attention_maps(maps: dict, labels: dict, out) -> list:
+    """PNGs of every attention flavor of one sample: ``maps[name]`` holds one (B, H, Lq, Lk)
+    array per layer (the first sample is drawn), ``labels[name]`` its (query, key) labels
+    (as :func:`attngrad.train.loop.attention_for` returns them)."""
     paths = []
     for name, per_layer in maps.items():
         qlab, klab = labels[name]
