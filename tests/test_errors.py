@@ -115,14 +115,19 @@ def _mha(params=None, query=X, key=None, value=None, **kwargs):
     return mha_forward(PARAMS if params is None else params, query, key, value, **kwargs)
 
 
-def _with(**changes):
-    p = dict(PARAMS)
+def _changed(mapping, changes):
+    """A copy of ``mapping`` with entries replaced, added, or removed (value None)."""
+    out = dict(mapping)
     for name, value in changes.items():
         if value is None:
-            del p[name]
+            del out[name]
         else:
-            p[name] = value
-    return p
+            out[name] = value
+    return out
+
+
+def _with(**changes):
+    return _changed(PARAMS, changes)
 
 
 MHA_ERRORS = [
@@ -280,12 +285,7 @@ def _state(**changes):
     torch = pytest.importorskip("torch")
     sd = {"in_proj_weight": torch.randn(24, 8, dtype=torch.float64), "in_proj_bias": torch.randn(24, dtype=torch.float64),
           "out_proj.weight": torch.randn(8, 8, dtype=torch.float64), "out_proj.bias": torch.randn(8, dtype=torch.float64)}
-    for name, value in changes.items():
-        if value is None:
-            del sd[name]
-        else:
-            sd[name] = value
-    return sd
+    return _changed(sd, changes)
 
 
 def _sep(**changes):
