@@ -19,7 +19,7 @@ from attngrad.conform.grid import with_dtype
 from attngrad.conform.targets import reference_lacks
 
 sys.path.insert(0, str(Path(__file__).parent))
-from conform_mutants import MUTANTS, NumpyAttention, flash_func, torch_sdpa  # noqa: E402
+from conform_mutants import MUTANTS, NumpyAttention, flash_func, torch_sdpa
 
 MUTANT_FILE = str(Path(__file__).parent / "conform_mutants.py")
 
