@@ -3,12 +3,15 @@
 from .core import (
     MaskSpec,
     SDPACache,
+    TiledCache,
+    dropout_mask,
     make_mask_spec,
     masked_softmax,
     sdpa,
     sdpa_backward,
     sdpa_forward,
 )
+from .conform import conform
 from .core.rope import RoPE, RoPECache, rope_backward, rope_forward
 from .layers import (
     MHACache,
@@ -27,7 +30,10 @@ __all__ = [
     "RoPE",
     "RoPECache",
     "SDPACache",
+    "TiledCache",
+    "dropout_mask",
     "__version__",
+    "conform",
     "init_mha_params",
     "make_mask_spec",
     "masked_softmax",
