@@ -265,3 +265,21 @@ def test_export_to_torch_refuses_qk_norm_weights():
     params = {**init_mha_params(E, H, rng=0), "q_norm_w": np.ones(D), "k_norm_w": np.ones(D)}
     with pytest.raises(ValueError, match="QK-norm"):
         params_to_torch(params)
+
+
+def test_attngrad_check_rope_qk_norm(capsys):
+    """`attngrad check --rope --qk-norm` compares the norm weights' gradients too, and passes."""
+    from attngrad.check import CheckConfig, run_check
+    from attngrad.cli.main import main
+
+    report = run_check(CheckConfig(flavors=("cross",), kv_heads=1, rope=True, qk_norm="layer",
+                                   masks=("padding", "causal")))
+    assert report.passed
+    names = {r.gradient for r in report.records}
+    assert {"q_norm_w", "k_norm_w", "X", "M"} <= names
+    assert report.to_json()["config"]["qk_norm"] == "layer"
+    assert main(["check", "--flavor", "causal", "--rope", "--qk-norm"]) == 0  # bare: rms
+    out = capsys.readouterr().out
+    assert "dL/dw^Qn" in out and "RoPE" in out and "all passed" in out
+    with pytest.raises(ValueError, match="head dim"):
+        CheckConfig(width=6, heads=2, rope=True)

@@ -16,6 +16,8 @@ from ..core.masks import CAUSAL_ALIGNMENTS
 from ..layers.mha import init_mha_params, mha_forward
 
 FLAVORS = ("self", "cross", "causal")
+QK_NORMS = (None, "rms", "layer")
+QK_NORM_EPS = 1e-6
 MASK_KINDS = ("padding", "random", "causal")
 DTYPES = ("float64", "float32")
 DEFAULT_LK = 7
@@ -50,6 +52,8 @@ class CheckConfig:
     dtype: str = "float64"
     seed: int = 0
     extra: dict = field(default_factory=dict)
+    rope: bool = False  # rotary positions on the per-head queries and keys (R1-R5)
+    qk_norm: str | None = None  # None, "rms" or "layer": per-head QK-norm (QN1-QN6)
 
     def __post_init__(self):
         for f in self.flavors:
@@ -76,6 +80,13 @@ class CheckConfig:
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        if self.qk_norm not in QK_NORMS:
+            raise ValueError(f"qk_norm must be one of rms, layer or None; got {self.qk_norm!r}")
+        if self.rope and (self.width // self.heads) % 2:
+            raise ValueError(
+                f"rope rotates pairs of features: the head dim width/heads = "
+                f"{self.width // self.heads} must be even"
+            )
         self._refuse_what_cannot_apply()
 
     def _refuse_what_cannot_apply(self) -> None:
@@ -132,6 +143,8 @@ class Case(NamedTuple):
     masks: MaskData
     num_heads: int
     num_kv_heads: int
+    rope: bool = False  # RoPE (rotate-half, base 10000, positions 0 .. L-1) on q and k
+    qk_norm: str | None = None  # QK-norm kind; weights params["q_norm_w"], params["k_norm_w"]
 
     def lengths(self) -> tuple[int, int]:
         x = self.inputs["X"]
@@ -150,6 +163,9 @@ class Case(NamedTuple):
             key_lengths=self.masks.key_lengths,
             mask=self.masks.mask,
             causal=self.masks.causal or False,
+            rope=self.rope or None,
+            qk_norm=self.qk_norm,
+            qk_norm_eps=QK_NORM_EPS,
         )
 
 
@@ -177,6 +193,11 @@ def build_case(flavor: str, cfg: CheckConfig) -> Case:
         mask[0, 0, 0, :] = False  # one query row with nothing to attend
     causal = cfg.alignment if (flavor == "causal" or "causal" in cfg.masks) else None
     upstream = rng.standard_normal((b, lq, e)).astype(dt)
+    if cfg.qk_norm is not None:  # drawn last: the other arrays do not depend on the option
+        d = e // cfg.heads
+        params["q_norm_w"] = (1.0 + 0.3 * rng.standard_normal(d)).astype(dt)
+        params["k_norm_w"] = (1.0 + 0.3 * rng.standard_normal(d)).astype(dt)
     return Case(
-        flavor, params, inputs, upstream, MaskData(key_lengths, mask, causal), cfg.heads, cfg.num_kv_heads
+        flavor, params, inputs, upstream, MaskData(key_lengths, mask, causal), cfg.heads, cfg.num_kv_heads,
+        cfg.rope, cfg.qk_norm,
     )

@@ -9,6 +9,8 @@ PRETTY = {
     "X": "dL/dX",
     "M": "dL/dM",
     **{f"{p}_{s}": f"dL/d{p}^{s.upper()}" for p in ("W", "b") for s in "qkvo"},
+    "q_norm_w": "dL/dw^Qn",
+    "k_norm_w": "dL/dw^Kn",
 }
 
 
@@ -27,6 +29,8 @@ def _describe(report: CheckReport, flavor: str) -> str:
     return (
         f"B={cfg.batch} H={cfg.heads} Hkv={cfg.num_kv_heads} E={cfg.width} Lq={lq} Lk={lk} "
         f"{'with' if cfg.bias else 'no'} biases, {cfg.dtype}, masks: {', '.join(masks) or 'none'}"
+        + (", RoPE (rotate-half, positions 0..L-1)" if cfg.rope else "")
+        + (f", QK-norm {cfg.qk_norm}" if cfg.qk_norm else "")
     )
 
 
@@ -47,9 +51,11 @@ def format_report(report: CheckReport) -> str:
                 f"{'pass' if r.passed else 'FAIL'}"
             )
         lines.append("")
+    cfg = report.config
     lines.append(
-        "max rel err = max|a - r| / max(max|r|, 1e-4 * largest gradient of the flavor); "
-        "dL/db^K is 0 in exact arithmetic (softmax ignores a shift of a whole score row)"
+        "max rel err = max|a - r| / max(max|r|, 1e-4 * largest gradient of the flavor)"
+        + ("" if cfg.rope or cfg.qk_norm else
+           "; dL/db^K is 0 in exact arithmetic (softmax ignores a shift of a whole score row)")
     )
     for note in report.notes:
         lines.append(f"note: {note}")

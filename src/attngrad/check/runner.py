@@ -81,6 +81,8 @@ class CheckReport(NamedTuple):
                 "causal_align": cfg.alignment,
                 "dtype": cfg.dtype,
                 "seed": cfg.seed,
+                "rope": cfg.rope,
+                "qk_norm": cfg.qk_norm,
             },
             "notes": list(self.notes),
             "records": [
@@ -230,7 +232,7 @@ def run_check(cfg: CheckConfig | None = None, *, progress=None) -> CheckReport:
         say(f"{flavor}: building the case and its closed-form gradients")
         case = build_case(flavor, cfg)
         grads = closed_form_gradients(case)
-        order = ["X", "M", "W_q", "W_k", "W_v", "W_o", "b_q", "b_k", "b_v", "b_o"]
+        order = ["X", "M", "W_q", "W_k", "W_v", "W_o", "b_q", "b_k", "b_v", "b_o", "q_norm_w", "k_norm_w"]
         grads = {k: grads[k] for k in order if k in grads}
         if version is not None:
             say(f"{flavor}: torch autograd")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .cases import Case
+from .cases import QK_NORM_EPS, Case
 
 
 def torch_available() -> str | None:
@@ -36,6 +36,25 @@ def _allowed(torch, case: Case, lq: int, lk: int):
     return allowed
 
 
+def _norm(torch, x, w, kind: str):
+    """QK-norm over the head dim: RMSNorm (Llama's x * rsqrt(mean(x^2) + eps) * w) or
+    PyTorch's layer_norm without a bias."""
+    if kind == "rms":
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + QK_NORM_EPS) * w
+    return torch.nn.functional.layer_norm(x, (x.shape[-1],), w, None, QK_NORM_EPS)
+
+
+def _rope(torch, x):
+    """RoPE as the Llama / GPT-NeoX code writes it: x cos + rotate_half(x) sin, base 10000,
+    positions 0 .. L-1."""
+    length, d = x.shape[-2], x.shape[-1]
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    freqs = torch.arange(length, dtype=torch.float64)[:, None] * inv_freq  # (L, D/2)
+    emb = torch.cat((freqs, freqs), dim=-1).to(x.dtype)  # (L, D)
+    rotated = torch.cat((-x[..., d // 2 :], x[..., : d // 2]), dim=-1)  # rotate_half
+    return x * emb.cos() + rotated * emb.sin()
+
+
 def torch_gradients(case: Case) -> dict[str, np.ndarray]:
     """dL/d(every input and parameter) of L = sum(Y * G) by PyTorch autograd.
 
@@ -57,7 +76,13 @@ def torch_gradients(case: Case) -> dict[str, np.ndarray]:
         return y.reshape(b, inp.shape[1], heads, -1).transpose(1, 2)  # (B, heads, L, d)
 
     q = proj(x, "W_q", "b_q", h)  # (B, H, Lq, D)
-    k = proj(mem, "W_k", "b_k", hkv).repeat_interleave(h // hkv, dim=1)  # (B, H, Lk, D)
+    k = proj(mem, "W_k", "b_k", hkv)  # (B, Hkv, Lk, D)
+    if case.qk_norm is not None:
+        q = _norm(torch, q, leaves["q_norm_w"], case.qk_norm)
+        k = _norm(torch, k, leaves["k_norm_w"], case.qk_norm)
+    if case.rope:
+        q, k = _rope(torch, q), _rope(torch, k)
+    k = k.repeat_interleave(h // hkv, dim=1)  # (B, H, Lk, D)
     v = proj(mem, "W_v", "b_v", hkv).repeat_interleave(h // hkv, dim=1)  # (B, H, Lk, Dv)
     s = (q @ k.transpose(-1, -2)) / np.sqrt(q.shape[-1])  # (B, H, Lq, Lk)
     allowed = _allowed(torch, case, lq, lk)

@@ -52,6 +52,9 @@ def register(sub) -> None:
     p.add_argument("--causal-align", choices=CAUSAL_ALIGNMENTS, default=None, help="causal alignment when Lq != Lk: cross-attention with a causal mask (default top_left, as PyTorch)")
     p.add_argument("--dtype", choices=["float64", "float32"], default="float64", help="dtype (default float64; finite differences need float64)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--rope", action="store_true", help="rotary positions (RoPE, rotate-half) on the per-head queries and keys")
+    p.add_argument("--qk-norm", nargs="?", const="rms", choices=["rms", "layer"], default=None,
+                   help="per-head QK-norm with learned weights, rms (the default when given bare) or layer")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     p.set_defaults(func=run)
 
@@ -70,6 +73,8 @@ def run(args) -> int:
         causal_align=args.causal_align,
         dtype=args.dtype,
         seed=args.seed,
+        rope=args.rope,
+        qk_norm=args.qk_norm,
     )
     budget = estimate(cfg, torch=torch_available() is not None)
     progress = None
