@@ -147,7 +147,7 @@ def test_page_is_self_contained(cross_page):
     n_formulas = sum(len(sec.formulas) for sec in catalogue("cross").sections)
     n_symbols = len(catalogue("cross").symbols)
     assert html.count('<math display="block">') == n_formulas
-    assert html.count("<math>") == n_symbols
+    assert html.count("<math>") == n_symbols and html.count('<div class="sym">') == n_symbols
     for name in ("P (probabilities), b=1 h=1", "dS = P ∘ (dP − δ 1ᵀ), b=0 h=0", "dL/dW^Q", "dL/db^O", "dL/dM"):
         assert name in html
     assert "all passed" in html

@@ -73,8 +73,10 @@ def _equations(flavor: str) -> str:
     cat = catalogue(flavor)
     out = ["<h2>Symbols</h2>",
            '<p class="note">Per sequence; shapes of one head where the name has h.</p>',
-           table(["symbol", "shape", "meaning"],
-                 [[symbol_mathml(s), esc(s.shape), esc(s.meaning)] for s in cat.symbols.values()])]
+           '<div class="syms">',
+           *(f'<div class="sym"><span class="s">{symbol_mathml(s)}</span><span class="shape">{esc(s.shape)}</span>'
+             f"<span>{esc(s.meaning)}</span></div>" for s in cat.symbols.values()),
+           "</div>"]
     for sec in cat.sections:
         out.append(f"<h2>{esc(sec.title)}</h2><p>{esc(sec.intro)}</p>")
         for f in sec.formulas:
@@ -95,7 +97,8 @@ def _heatmaps(data: FlavorData) -> str:
            "those of dS. Blue negative, red positive, white 0 (dP, dS).</p>"]
     for bi in range(b):
         for hi in range(h):
-            out.append(f"<h3>sequence b = {bi}, head h = {hi}</h3><div class=\"figs\">")
+            kl_note = "" if case.masks.key_lengths is None else f" (key length {int(case.masks.key_lengths[bi])})"
+            out.append(f"<h3>sequence b = {bi}{kl_note}, head h = {hi}</h3><div class=\"figs\">")
             for name, title, kind in (("P_h", "P (probabilities)", "sequential"),
                                       ("dP_h", "dP = dO Vᵀ", "diverging"),
                                       ("dS_h", "dS = P ∘ (dP − δ 1ᵀ)", "diverging")):

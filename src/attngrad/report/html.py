@@ -26,10 +26,14 @@ td.num { text-align: right; font-family: "DejaVu Sans Mono", monospace; }
 td.pass { color: #1a7f37; font-weight: bold; } td.fail { color: #cf222e; font-weight: bold; }
 .eq { display: grid; grid-template-columns: 4.5em 1fr; align-items: center; margin: .15em 0; }
 .eq .tag { color: #57606a; font-size: .9em; }
-.eq math { margin: .2em 0; font-size: 1.12em; text-align: left; }
+.eq math { margin: .2em 0; font-size: 1.12em; width: fit-content; }
+.syms { columns: 2; column-gap: 2.5em; font-size: .86em; margin: .5em 0; }
+.sym { break-inside: avoid; display: grid; grid-template-columns: 3.2em 7.5em 1fr; gap: .4em;
+       border-bottom: 1px solid #eaeef2; padding: 2px 0; }
+.sym .shape { color: #57606a; font-family: "DejaVu Sans Mono", monospace; font-size: .92em; }
 .figs { display: flex; flex-wrap: wrap; gap: 10px 18px; align-items: flex-start; }
 .graph { overflow-x: auto; border: 1px solid #d0d7de; padding: 6px; }
-.graph svg { max-width: 100%; height: auto; }
+.graph svg { height: auto; }  /* natural size: the labels stay readable; the box scrolls */
 code, pre { font-family: "DejaVu Sans Mono", monospace; font-size: .9em; background: #f6f8fa; }
 pre { padding: .6em; overflow-x: auto; white-space: pre-wrap; }
 """
