@@ -86,7 +86,7 @@ def autograd(params, inputs, kwargs, upstream, allowed):
     return y.detach().numpy(), {n: t.grad.numpy() for n, t in leaves.items()}
 
 
-@pytest.mark.parametrize(("flavor", "bias", "heads", "kv_heads", "lq", "lk", "kdim", "vdim", "masks"), _grid())
+@pytest.mark.parametrize(("flavor", "bias", "heads", "kv_heads", "lq", "lk", "kdim", "vdim", "masks"), list(_grid()))
 def test_every_gradient_matches_torch_autograd(flavor, bias, heads, kv_heads, lq, lk, kdim, vdim, masks):
     params, inputs, kwargs, upstream, allowed = build(flavor, bias, heads, kv_heads, lq, lk, kdim, vdim, masks)
     y, grads = closed_form(params, inputs, kwargs, upstream)
