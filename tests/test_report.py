@@ -127,7 +127,7 @@ def test_heatmap_and_chart_are_labelled_svg():
 @pytest.mark.parametrize("flavor", FLAVORS)
 def test_formula_values_are_the_library_gradients(flavor):
     data = evaluate_flavor(flavor, CheckConfig(flavors=(flavor,)))
-    assert max(data.library_rel_err.values()) <= 1e-12
+    assert max(data.library_rel_err.values()) <= 1e-10  # the check's float64 bound
     p = data.env["P_h"]  # (B, H, Lq, Lk)
     rows = p.sum(-1)
     assert np.all((np.abs(rows - 1) < 1e-12) | (rows == 0))
