@@ -51,3 +51,25 @@ def test_tiled_peak_memory_is_linear_in_n():
 def test_dense_peak_memory_is_quadratic_so_the_measurement_can_tell(n):
     small, large = _peak_bytes(n, "dense"), _peak_bytes(2 * n, "dense")
     assert large >= 3.5 * small, f"dense peak grew only {large / small:.2f}x when N doubled"
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [
+        {"alibi_slopes": np.array([0.5, 0.25], dtype=np.float32)},
+        {"window": (128, 0)},
+        {"alibi_slopes": np.array([0.5, 0.25], dtype=np.float32), "window": (256, None),
+         "softcap": 5.0, "sinks": np.array([0.1, -0.2], dtype=np.float32)},
+    ],
+    ids=["alibi", "window", "alibi+window+softcap+sinks"],
+)
+def test_tiled_peak_memory_stays_linear_with_variants(opts):
+    """ALiBi distances and window masks are built tile by tile: no N x N array (issue 10)."""
+    _peak_bytes(64, "tiled", threads=1, **opts)
+    peaks = [_peak_bytes(n, "tiled", block_q=64, block_k=128, threads=1, **opts) for n in SIZES]
+    for n, peak in zip(SIZES, peaks, strict=True):
+        one_p = B * H * n * n * 4
+        assert peak < one_p / 2, f"N={n}: peak {peak} B is not below half of one N x N array"
+        assert peak < 14 * B * H * n * D * 4 + 8 * 64 * 128 * 8, f"N={n}: peak {peak} B exceeds O(N)"
+    for p0, p1 in zip(peaks, peaks[1:], strict=False):
+        assert p1 <= 2.2 * p0, f"peak grew {p1 / p0:.2f}x when N doubled (linear: <= 2x)"

@@ -78,20 +78,23 @@ def attention(q, k, v, allowed, *, scale, softcap=None, bias=None, slopes=None, 
     return prob @ v
 
 
-def run(inputs: dict, opts: dict, dout: np.ndarray, learn=("q", "k", "v")) -> dict:
-    """Forward and autograd gradients of the named inputs (float64 NumPy in and out).
+def run(inputs: dict, opts: dict, dout: np.ndarray, learn=("q", "k", "v"), dtype=torch.float64) -> dict:
+    """Forward and autograd gradients of the named inputs (NumPy in, float64 NumPy out),
+    computed in ``dtype`` (float64: the reference; float32: the plain implementation that
+    FlashAttention's 2x rule measures against).
 
     ``inputs``: q, k, v and any of bias, slopes, sinks, scale (a float); ``opts``: allowed
     (torch bool), softcap, keep, p, offset.
     """
-    t = {n: torch.tensor(np.asarray(a, dtype=np.float64), requires_grad=n in learn)
+    t = {n: torch.tensor(np.asarray(a, dtype=np.float64), dtype=dtype, requires_grad=n in learn)
          for n, a in inputs.items() if a is not None}
     out = attention(t["q"], t["k"], t["v"], opts["allowed"], scale=t["scale"],
                     softcap=opts.get("softcap"), bias=t.get("bias"), slopes=t.get("slopes"),
                     sinks=t.get("sinks"), keep=opts.get("keep"), p=opts.get("p", 0.0),
                     offset=opts.get("offset", 0))
-    (out * torch.as_tensor(dout)).sum().backward()
-    res = {"out": out.detach().numpy()}
+    (out * torch.as_tensor(dout, dtype=dtype)).sum().backward()
+    res = {"out": out.detach().double().numpy()}
     for n in learn:
-        res[n] = t[n].grad.numpy() if t[n].grad is not None else np.zeros(np.shape(inputs[n]))
+        g = t[n].grad
+        res[n] = g.double().numpy() if g is not None else np.zeros(np.shape(inputs[n]))
     return res

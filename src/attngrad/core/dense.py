@@ -187,7 +187,10 @@ def dense_backward(xp, do, cache: SDPACache) -> dict:
     dp = do @ xp.matrix_transpose(v)  # (A5) (B, Hkv, G*Lq, Lk)
     if prob.dropout:
         dp = xp.where(_keep(xp, prob, dp), dp * (1.0 / (1.0 - prob.dropout_p)), xp.zeros((), dtype=dp.dtype))  # (V3)
-    delta = xp.sum(do * out, axis=-1, keepdims=True)  # (A6) (B, Hkv, G*Lq, 1)
+    # (A6) delta = rowsum(P * dP): with P at hand, the form whose rounding matches dP's, so
+    # dP - delta cancels as exactly as the maths (float32 rule, RELIABILITY 24); the tiled
+    # path, which has no P row, uses the equal rowsum(dO * O).
+    delta = xp.sum(p * dp, axis=-1, keepdims=True)  # (A6) (B, Hkv, G*Lq, 1)
     dp -= delta
     ds = dp
     ds *= p  # (A7) dS = P * (dP - delta), in dP's buffer  (B, Hkv, G*Lq, Lk)

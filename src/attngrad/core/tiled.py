@@ -70,8 +70,8 @@ class TiledCache(NamedTuple):
     q: Array  # (B, H, Lq, D)      compute dtype
     k: Array  # (B, Hkv, Lk, D)
     v: Array  # (B, Hkv, Lk, Dv)
-    out: Array  # (B, H, Lq, Dv)    compute dtype
-    lse: Array  # (B, H, Lq)        (FA1), -inf where a row attends nothing
+    out: Array  # (B, H, Lq, Dv)    float64 (for float32 work) or the compute dtype
+    lse: Array  # (B, H, Lq)        (FA1), -inf where a row attends nothing; float64 like out
     flat: Array | None  # (B, H, Lq) bool: rows with a constant softmax (< 2 keys, no sink)
     problem: Problem
     tiling: Tiling
@@ -228,8 +228,11 @@ def tiled_forward(q, k, v, prob: Problem, tiling: Tiling):
     G = sh.group
     bq, bk = min(tiling.block_q, max(Lq, 1)), min(tiling.block_k, max(Lk, 1))
     cdt = q.dtype
-    out = np.zeros((B, H, Lq, Dv), dtype=cdt)  # (B, H, Lq, Dv)
-    lse = np.full((B, H, Lq), -np.inf, dtype=cdt)  # (B, H, Lq)   (FA1)
+    # O accumulates in float64 for float32 work (O(N) memory): delta = rowsum(dO * O) (A6)
+    # then cancels against dP as closely as the dense path's rowsum(P * dP) (RELIABILITY 24).
+    out = np.zeros((B, H, Lq, Dv), dtype=np.float64 if cdt == np.float32 else cdt)  # (B, H, Lq, Dv)
+    lse = np.full((B, H, Lq), -np.inf, dtype=out.dtype)  # (B, H, Lq)   (FA1) float64 too: P = e^(S - lse)
+    # in the backward then has float32's relative accuracy, not |lse| ulps of it
     count = prob.shift_free and not (prob.spec.is_empty and Lk >= 2)
     nkeys = np.zeros((B, H, Lq), dtype=np.int64) if count else None  # allowed keys per row
     keep_scale = cdt.type(1.0 / (1.0 - prob.dropout_p))
@@ -274,7 +277,7 @@ def tiled_forward(q, k, v, prob: Problem, tiling: Tiling):
             has = l > 0  # (bq,) rows that attend something (or a sink)
             acc /= np.where(has, l, 1)[:, None]  # (A3) O = acc / l; 0 rows stay 0
             with np.errstate(divide="ignore"):
-                lse[b, h, q0:q1] = np.where(has, m + np.log(np.where(has, l, 1)), -np.inf)  # (FA1)
+                lse[b, h, q0:q1] = np.where(has, m + np.log(np.where(has, l, 1), dtype=lse.dtype), -np.inf)  # (FA1)
 
     run_units(work, B * H, tiling.threads)
     flat = None
@@ -324,13 +327,13 @@ def tile_grads(prob: Problem, hd: Head, q0, q1, k0, k1, tile, p, t, qt_raw, kt, 
     if acc.db is not None:
         _add_bias_grad(acc.db, ds, q0, q1, k0, k1)  # (A10)
     if prob.alibi is not None:  # (V4)
-        acc.per_head[0] -= np.vdot(ds, alibi_distance(np, ds.dtype, q0, q1, k0, k1, prob.spec.offset))
+        acc.per_head[0] -= np.vdot(ds, alibi_distance(np, np.float64, q0, q1, k0, k1, prob.spec.offset))  # float64 sum
     ds = softcap_backward(np, ds, t)  # (V1) dS0
     acc.dk[k0:k1] += ds.T @ qt_raw  # (A9) scaled below  (bk, D)
     g = ds @ kt  # (A8) dS0 K  (bq, D)
     acc.dq[q0:q1] += g
     if prob.scale_grad:
-        acc.per_head[1] += np.vdot(qt_raw, g)  # (V7) sum(Q * dS0 K)
+        acc.per_head[1] += np.vdot(qt_raw.astype(np.float64), g)  # (V7) sum(Q * dS0 K), float64 sum
 
 
 def _add_bias_grad(db, ds, q0, q1, k0, k1) -> None:
