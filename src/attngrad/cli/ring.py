@@ -113,6 +113,7 @@ def _rank_argv(args, results: Path) -> list[str]:
 
 
 def run(args) -> int:
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # no C++ log lines: our errors say it
     cfg = _config(args)
     threads = max(1, (os.cpu_count() or 1) // args.nproc)
     if args.distributed:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .launch import peer_error
+
 
 def _torch():
     try:
@@ -54,18 +56,31 @@ class Ring:
         assert a.flags.c_contiguous
         return self.dist.irecv(self.torch.from_numpy(a), self._global(self.rank - 1), self.group, tag)
 
+    def wait(self, handle) -> None:
+        """Wait for a message; a peer that went away gives a DistributedError."""
+        try:
+            handle.wait()
+        except RuntimeError as exc:
+            raise peer_error(exc, self.rank) from None
+
     def all_gather(self, a: np.ndarray) -> list[np.ndarray]:
         """Every rank's ``a`` (same shape and dtype on all ranks), in rank order."""
         a = np.ascontiguousarray(a)
         outs = [np.empty_like(a) for _ in range(self.world)]
-        self.dist.all_gather([self.torch.from_numpy(o) for o in outs], self.torch.from_numpy(a), self.group)
+        try:
+            self.dist.all_gather([self.torch.from_numpy(o) for o in outs], self.torch.from_numpy(a), self.group)
+        except RuntimeError as exc:
+            raise peer_error(exc, self.rank) from None
         self.sent += a.nbytes * (self.world - 1)
         return outs
 
     def all_reduce_sum(self, a: np.ndarray) -> np.ndarray:
         """Sum of ``a`` over ranks, in place (the same bits on every rank)."""
         assert a.flags.c_contiguous
-        self.dist.all_reduce(self.torch.from_numpy(a), group=self.group)
+        try:
+            self.dist.all_reduce(self.torch.from_numpy(a), group=self.group)
+        except RuntimeError as exc:
+            raise peer_error(exc, self.rank) from None
         self.sent += 2 * a.nbytes * (self.world - 1) // max(self.world, 1)
         return a
 

@@ -136,6 +136,7 @@ def launch_local(argv: list[str], nproc: int, *, port: int | None = None, timeou
     base = {**os.environ, **(env or {})}
     base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(nproc),
                 LOCAL_WORLD_SIZE=str(nproc), GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
+    base.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # no C++ log lines: the ranks' errors say it
     tmp = tempfile.TemporaryDirectory(prefix="attngrad-ranks-") if log_dir is None else None
     logs = Path(tmp.name if tmp else log_dir)
     procs, files = [], []

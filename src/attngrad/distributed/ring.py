@@ -73,6 +73,8 @@ class RingCache(NamedTuple):
     q_seg: Any  # (B, nq) ints     local query segment ids, or None
     kv_seg: Any  # (B, Lk) ints    global key segment ids, or None
     sinks: Any  # (H,)             sink logits (compute dtype), or None
+    flat: Any  # (B, nq) bool      rows with fewer than two keys in the whole sequence and no
+    #                                sink (a constant softmax: dS = 0 exactly), or None
     options: dict  # keyword arguments every block passes to sdpa_forward
     problem: RingProblem
     group: Any  # the torch.distributed process group (None = the default one)
@@ -239,6 +241,28 @@ class _Blocks:
                 yield qs, ks, kind, k_all[:, :, ks], v_all[:, :, ks], keys_c, qseg_c, kvseg_c
 
 
+def _flat_rows(p: RingProblem, keys, q_seg, kv_seg):
+    """(B, nq) bool: local query rows that attend fewer than two keys of the whole sequence
+    (their softmax is constant, so dS = 0 exactly), or None when there is none."""
+    qpos = np.concatenate([a * p.chunk_q + np.arange(p.chunk_q) for a in chunk_ids(p.layout, p.rank, p.world)])
+    allowed = np.ones((p.batch, p.lk), dtype=bool) if keys is None else keys  # (B, Lk)
+    counts = np.empty((p.batch, qpos.size), dtype=np.int64)  # (B, nq) keys each row attends
+    for b in range(p.batch):
+        groups = [(slice(None), allowed[b])] if kv_seg is None else [
+            (q_seg[b] == s, allowed[b] & (kv_seg[b] == s)) for s in np.unique(q_seg[b])]
+        for rows, m in groups:
+            cum = np.cumsum(m)  # (Lk,) keys j' <= j
+            counts[b, rows] = cum[qpos[rows]] if p.causal else (cum[-1] if cum.size else 0)
+    flat = counts < 2
+    return flat if flat.any() else None
+
+
+def _flat_view(flat, p: RingProblem, qs: slice):
+    if flat is None:
+        return None
+    return np.broadcast_to(flat[:, None, qs], (p.batch, p.heads, qs.stop - qs.start))  # (B, H, cq)
+
+
 def _pack(k, v, dtype) -> np.ndarray:
     """K and V of a shard in one contiguous buffer: one message per hop."""
     buf = np.empty(k.size + v.size, dtype=dtype)
@@ -315,7 +339,7 @@ def ring_attention_forward(
             c = _block(q[:, :, qs], k_c, v_c, kind, options, keys_c, qseg_c, kvseg_c)
             _merge(out[:, :, qs], lse[:, :, qs], c.out, c.lse)  # (RG1, RG2)
         for h in pending:
-            h.wait()
+            ring.wait(h)
         if pending:
             cur, other = other, cur
     sk = None
@@ -328,7 +352,8 @@ def ring_attention_forward(
     if stats is not None:
         stats["bytes_sent"] = stats.get("bytes_sent", 0) + ring.sent
         stats["messages"] = stats.get("messages", 0) + ring.messages
-    cache = RingCache(q, k, v, out, lse, keys, q_segment_ids, kv_seg, sk, options, p, group)
+    flat = None if sinks is not None else _flat_rows(p, keys, q_segment_ids, kv_seg)
+    cache = RingCache(q, k, v, out, lse, keys, q_segment_ids, kv_seg, sk, flat, options, p, group)
     return out.astype(q.dtype, copy=True), cache
 
 
@@ -373,26 +398,28 @@ def ring_attention_backward(dout, cache: RingCache, *, stats=None) -> dict:
         for qs, ks, kind, k_c, v_c, keys_c, qseg_c, kvseg_c in blocks(src, k_t, v_t):
             c = _block(q[:, :, qs], k_c, v_c, kind, cache.options, keys_c, qseg_c, kvseg_c)
             c = c._replace(out=cache.out[:, :, qs], lse=cache.lse[:, :, qs])  # (RG4) global O, lse
+            if "flat" in c._fields:  # the block's own flag sees only the block's keys
+                c = c._replace(flat=_flat_view(cache.flat, p, qs))
             g = sdpa_backward(dout[:, :, qs], c)  # (RG4) this block's share
             dq[:, :, qs] += g["q"]  # (RG4) (B, H, cq, D)
             dk_t[:, :, ks] += g["k"]  # (RG4) (B, Hkv, ck, D)
             dv_t[:, :, ks] += g["v"]  # (RG4) (B, Hkv, ck, Dv)
         if arrived is not None:
-            arrived.wait()
+            ring.wait(arrived)
             part += incoming
         if p.world > 1:
             sends.append((ring.send_next(part, 2 * t + 1), part))  # on towards the owner
         else:
             own = part
         for h in pending:
-            h.wait()
+            ring.wait(h)
         if pending:
             cur, other = other, cur
     if p.world > 1:  # the full dK, dV of this rank's shard come home from rank r-1
         own = np.empty(cur.size, dtype=cdt)
-        ring.recv_prev(own, 2 * p.world - 1).wait()
+        ring.wait(ring.recv_prev(own, 2 * p.world - 1))
         for h, _ in sends:
-            h.wait()
+            ring.wait(h)
     dk, dv = _unpack(own, kshape, vshape)
     grads = {"q": dq.astype(q.dtype, copy=False), "k": dk.astype(q.dtype, copy=False),
              "v": dv.astype(q.dtype, copy=False)}

@@ -97,5 +97,7 @@ def train_data_parallel(*args, **kwargs):
 def rank_train(args):
     """``attngrad.train.train`` as one rank of the group (``--distributed``)."""
     import functools
+    import os
 
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # no C++ log lines: our errors say it
     return functools.partial(train_data_parallel, timeout=args.dist_timeout)
