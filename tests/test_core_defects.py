@@ -96,7 +96,7 @@ def test_sdpa_backward_refuses_what_is_not_its_cache(bad):
 def test_sdpa_backward_refuses_a_layer_cache():
     rng = np.random.default_rng(0)
     p = ag.init_mha_params(4, 2)
-    y, mc = ag.mha_forward(p, rng.standard_normal((1, 3, 4)), num_heads=2)
+    _, mc = ag.mha_forward(p, rng.standard_normal((1, 3, 4)), num_heads=2)
     with pytest.raises(TypeError, match="cache"):
         ag.sdpa_backward(np.zeros((1, 2, 3, 2)), mc)
 

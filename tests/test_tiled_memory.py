@@ -9,6 +9,7 @@ measurement can tell the two apart.
 from __future__ import annotations
 
 import gc
+import itertools
 import tracemalloc
 
 import numpy as np
@@ -71,5 +72,5 @@ def test_tiled_peak_memory_stays_linear_with_variants(opts):
         one_p = B * H * n * n * 4
         assert peak < one_p / 2, f"N={n}: peak {peak} B is not below half of one N x N array"
         assert peak < 14 * B * H * n * D * 4 + 8 * 64 * 128 * 8, f"N={n}: peak {peak} B exceeds O(N)"
-    for p0, p1 in zip(peaks, peaks[1:], strict=False):
+    for p0, p1 in itertools.pairwise(peaks):
         assert p1 <= 2.2 * p0, f"peak grew {p1 / p0:.2f}x when N doubled (linear: <= 2x)"

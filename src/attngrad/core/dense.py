@@ -181,7 +181,7 @@ def dense_backward(xp, do, cache: SDPACache) -> dict:
     sh = prob.shape
     B, H, Hkv, Lq, Lk, D, Dv = sh
     G = sh.group
-    p, out, qg, k, v = cache.p, cache.out, cache.q, cache.k, cache.v
+    p, qg, k, v = cache.p, cache.q, cache.k, cache.v
     do = xp.reshape(do, (B, Hkv, G * Lq, Dv))  # (B, Hkv, G*Lq, Dv)
     dv = xp.matrix_transpose(_dropped(xp, p, prob)) @ do  # (A4) (B, Hkv, Lk, Dv), summed over the group
     dp = do @ xp.matrix_transpose(v)  # (A5) (B, Hkv, G*Lq, Lk)
