@@ -315,6 +315,8 @@ FROM_TORCH_ERRORS = [  # issue 9, defect 7
      r"state_dict\['in_proj_weight'\] must be a tensor or array; got list"),
     (lambda t: _state(in_proj_bias=t.zeros(24, dtype=t.int64)), TypeError,
      r"state_dict\['in_proj_bias'\] must have a real floating dtype .*; got int64"),
+    (lambda t: _state(in_proj_weight=t.zeros(24, 8, dtype=t.bfloat16)), TypeError,
+     r"state_dict\['in_proj_weight'\] is bfloat16, which NumPy cannot hold"),
     (lambda t: _state(**{"attn.in_proj_weight": t.zeros(24, 8)}), ValueError,
      r"state_dict has keys \['attn.in_proj_weight'\] that torch.nn.MultiheadAttention does not have"),
     (lambda t: _sep(q_proj_weight=t.zeros(8, 7, dtype=t.float64)), ValueError,

@@ -51,6 +51,9 @@ def _state_arrays(state_dict) -> dict:
         if not is_array(t):
             raise TypeError(f"state_dict[{name!r}] must be a tensor or array; got {type(t).__name__}")
         check_float_dtypes({f"state_dict[{name!r}]": t})
+        if dtype_name(t.dtype) == "bfloat16":
+            raise TypeError(f"state_dict[{name!r}] is bfloat16, which NumPy cannot hold; convert the "
+                            "module or state_dict to float32 or float64 first")
     return {k: _np(v) for k, v in state_dict.items()}
 
 
