@@ -28,7 +28,9 @@ from .qk_prep import NORM_WEIGHTS, QKPrepCache, check_qk_options, qk_prep_backwa
 
 WEIGHTS = ("W_q", "W_k", "W_v", "W_o")
 BIASES = ("b_q", "b_k", "b_v", "b_o")
-PARAM_NAMES = WEIGHTS + BIASES + NORM_WEIGHTS  # q_norm_w, k_norm_w (D,): with qk_norm only
+# Learned attention variants (V2, V4): one sink logit and one ALiBi slope per query head (H,)
+VARIANT_PARAMS = ("sinks", "alibi_slopes")
+PARAM_NAMES = WEIGHTS + BIASES + NORM_WEIGHTS + VARIANT_PARAMS  # q_norm_w, k_norm_w (D,): with qk_norm only
 
 
 class MHACache(NamedTuple):
@@ -126,6 +128,16 @@ def mha_forward(
     rope=None,
     qk_norm=None,
     qk_norm_eps=1e-6,
+    bias=None,
+    softcap=None,
+    sinks=None,
+    alibi_slopes=None,
+    window=None,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    dropout_p=0.0,
+    dropout_seed=None,
+    scale_grad=False,
 ):
     """Multi-head attention.  Returns ``(y, cache)``, y of shape (B, Lq, E_out).
 
@@ -141,6 +153,13 @@ def mha_forward(
     ``q_positions`` / ``k_positions``: integers (L,) or (B, L), default 0 .. L-1), or a
     RoPE.  Rotary positions are applied to the per-head queries and keys after the
     projection, after QK-norm when both are on (QN7).
+
+    The attention variants pass through to :func:`attngrad.sdpa_forward` (V1-V7): bias,
+    softcap, window, q_segment_ids / kv_segment_ids, dropout_p / dropout_seed, scale_grad,
+    and sinks / alibi_slopes (H,) as fixed values.  Learned sinks and slopes are layer
+    parameters instead: ``params["sinks"]``, ``params["alibi_slopes"]`` (H,), with their
+    gradients under the same keys.  The bias gradient and dL/dscale (``scale_grad``) come
+    back in the input gradients as ``"bias"`` and ``"scale"``.
     """
     H, Hkv, D, _ = check_params(params, num_heads, num_kv_heads)
     qk_opts = check_qk_options(params, rope, qk_norm, qk_norm_eps, D)
@@ -170,9 +189,15 @@ def mha_forward(
     qk = None
     if qk_opts.active:
         q, k, qk = qk_prep_forward(params, q, k, qk_opts)  # (QN7) (B, H, Lq, D), (B, Hkv, Lk, D)
+    for name, fixed in (("sinks", sinks), ("alibi_slopes", alibi_slopes)):
+        if fixed is not None and name in params:
+            raise ValueError(f"{name} is both a parameter (params[{name!r}]) and an argument; pass one")
     o, attn = sdpa_forward(
         q, k, v, mask=mask, key_lengths=key_lengths, key_mask=key_mask, causal=causal, scale=scale,
-        impl=impl,
+        impl=impl, bias=bias, softcap=softcap, sinks=params.get("sinks", sinks),
+        alibi_slopes=params.get("alibi_slopes", alibi_slopes), window=window,
+        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, dropout_p=dropout_p,
+        dropout_seed=dropout_seed, scale_grad=scale_grad,
     )  # (M2) (B, H, Lq, Dv)
     c = merge_heads(xp, o)  # (M3) (B, Lq, H*Dv)
     y = project(xp, c, wo, bo)  # (M4) (B, Lq, E_out)
@@ -209,7 +234,8 @@ def mha_backward(dy, cache: MHACache) -> tuple[dict, dict]:
 
     Returns ``(input_grads, param_grads)``.  ``input_grads`` has ``"query"``, plus
     ``"key"`` / ``"value"`` for the sources that were passed separately; where one array
-    fed several projections (self-attention), its gradient is their sum (M9).
+    fed several projections (self-attention), its gradient is their sum (M9), and
+    ``"bias"`` / ``"scale"`` when the forward had a bias / ``scale_grad``.
     ``param_grads`` has the keys of the parameters.
     """
     check_cache(cache)
@@ -221,7 +247,10 @@ def mha_backward(dy, cache: MHACache) -> tuple[dict, dict]:
     if "b_o" in p:
         grads["b_o"] = xp.sum(dy, axis=(0, 1))  # (M5) db_o = sum dY
     dc = dy @ xp.matrix_transpose(p["W_o"])  # (M5) dC = dY W_o^T  (B, Lq, H*Dv)
-    g = sdpa_backward(split_heads(xp, dc, cache.heads), cache.attn)  # (M6) per-head A4-A9
+    g = sdpa_backward(split_heads(xp, dc, cache.heads), cache.attn)  # (M6) per-head A4-A9, V1-V7
+    for name in VARIANT_PARAMS:  # learned sinks and slopes (V2, V4)
+        if name in p:
+            grads[name] = g[name]
     if cache.qk is not None:
         g["q"], g["k"], g_norm = qk_prep_backward(g["q"], g["k"], cache.qk)  # (QN8)
         grads.update(g_norm)  # (QN4) q_norm_w, k_norm_w
@@ -234,6 +263,9 @@ def mha_backward(dy, cache: MHACache) -> tuple[dict, dict]:
         dx = dproj @ xp.matrix_transpose(p[w])  # (M8) dX = dQ W^T
         src = cache.sources["qkv".index(role[0])]
         inputs[src] = dx if src not in inputs else inputs[src] + dx  # (M9)
+    for name in ("bias", "scale"):  # the additive bias (A10) and the learned temperature (V7)
+        if name in g:
+            inputs[name] = g[name]
     grads = {name: grads[name] for name in PARAM_NAMES if name in p}
     return inputs, grads
 
