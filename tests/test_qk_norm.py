@@ -283,3 +283,24 @@ def test_attngrad_check_rope_qk_norm(capsys):
     assert "dL/dw^Qn" in out and "RoPE" in out and "all passed" in out
     with pytest.raises(ValueError, match="head dim"):
         CheckConfig(width=6, heads=2, rope=True)
+
+
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+def test_printed_norm_formulas_evaluate_to_the_library(kind):
+    """The trees `attngrad derive --flavor qk-norm[-layer]` prints equal norm_forward /
+    norm_backward, and torch autograd."""
+    from attngrad.formulas import catalogue, evaluate_catalogue
+    from attngrad.layers.norm import norm_backward, norm_forward
+
+    rng = np.random.default_rng(3)
+    x, g, w = rng.standard_normal((2, 3, 5, D)), rng.standard_normal((2, 3, 5, D)), rng.standard_normal(D)
+    name = "qk-norm" if kind == "rms" else "qk-norm-layer"
+    env = evaluate_catalogue(catalogue(name), {"X": x, "G": g, "w": w, "eps": EPS}).env
+    y, c = norm_forward(x, w, kind=kind, eps=EPS)
+    dx, dw = norm_backward(g, c)
+    tx, tw = torch.tensor(x, requires_grad=True), torch.tensor(w, requires_grad=True)
+    (t_norm(tx, tw, kind) * torch.tensor(g)).sum().backward()
+    assert_close_rel({"Y": env["Y"], "dX": env["dX"], "dw": env["dw"]},
+                     {"Y": y, "dX": tx.grad.numpy(), "dw": tw.grad.numpy()})
+    np.testing.assert_allclose(env["dX"], dx, rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(env["dw"], dw, rtol=1e-12, atol=1e-13)

@@ -230,3 +230,37 @@ def test_bad_positions_and_inputs():
     _, c = rope_forward(X, np.arange(5))
     with pytest.raises(ValueError, match="dout must have the shape"):
         rope_backward(np.zeros((2, 2, 5, 4)), c)
+
+
+# ---------------------------------------------------------------- the printed formulas
+
+
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+@pytest.mark.parametrize("rotary_dim", [4, 6])
+def test_printed_formulas_evaluate_to_the_library(layout, rotary_dim):
+    """The trees `attngrad derive --flavor rope` prints, evaluated: Y and dX equal
+    rope_forward / rope_backward."""
+    from attngrad.formulas import catalogue, evaluate_catalogue
+
+    rng = np.random.default_rng(rotary_dim)
+    x, g = rng.standard_normal((2, 3, 5, 6)), rng.standard_normal((2, 3, 5, 6))
+    pos = np.arange(5) + 9
+    env = evaluate_catalogue(catalogue("rope"), {"X": x, "G": g, "p": pos, "R": rotary_dim,
+                                                 "layout": layout, "base": 10000.0}).env
+    y, c = rope_forward(x, pos, rotary_dim=rotary_dim, layout=layout)
+    np.testing.assert_allclose(env["Y"], y, rtol=1e-13, atol=1e-14)
+    np.testing.assert_allclose(env["dX"], rope_backward(g, c), rtol=1e-13, atol=1e-14)
+    np.testing.assert_allclose(env["L"], np.sum(g * y), rtol=1e-12)
+
+
+def test_derive_and_graph_commands(tmp_path, capsys):
+    from attngrad.cli.main import main
+
+    assert main(["derive", "--flavor", "rope"]) == 0
+    out = capsys.readouterr().out
+    assert "(R5)   dU = dU′ ∘ cos A + dW′ ∘ sin A" in out and "(R3)   U′ = U ∘ cos A − W ∘ sin A" in out
+    assert main(["derive", "--flavor", "qk-norm", "--format", "latex"]) == 0
+    assert r"\tag*{(QN5)}" in capsys.readouterr().out
+    assert main(["graph", "--flavor", "qk-norm-layer", "-o", str(tmp_path / "g.dot")]) == 0
+    dot = (tmp_path / "g.dot").read_text()
+    assert "cluster_qk_norm_layer" in dot and "(QN6) dX = r ∘" in dot and "style=dashed" in dot

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..formulas import FLAVORS, FORMATS, derive_document
+from ..formulas.rope_norm import EXTRA
 
 
 def register(sub) -> None:
@@ -17,7 +18,9 @@ def register(sub) -> None:
             "PyTorch autograd in float64."
         ),
     )
-    p.add_argument("--flavor", choices=[*FLAVORS, "all"], default="all", help="which flavor (default: all)")
+    p.add_argument("--flavor", choices=[*FLAVORS, "all", *EXTRA], default="all",
+                   help="which flavor (default: all three); rope, qk-norm, qk-norm-layer: the rotation "
+                        "and the normalisation applied to each head's queries and keys")
     p.add_argument("--format", choices=FORMATS, default="text", dest="fmt",
                    help="text (Unicode), markdown (GitHub $$ maths) or latex (standalone document); default text")
     p.set_defaults(func=run)

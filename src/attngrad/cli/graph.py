@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from ..formulas import FLAVORS, GRAPH_FORMATS, GraphvizError, write_graph
+from ..formulas.rope_norm import EXTRA
 
 SUFFIXES = {"dot": "dot", "gv": "dot", **{f: f for f in GRAPH_FORMATS}}
 
@@ -38,7 +39,9 @@ def register(sub) -> None:
             "image for .svg/.png, which need Graphviz's `dot`). Exits 1 if Graphviz fails."
         ),
     )
-    p.add_argument("--flavor", choices=[*FLAVORS, "all"], default="self", help="which flavor (default: self)")
+    p.add_argument("--flavor", choices=[*FLAVORS, "all", *EXTRA], default="self",
+                   help="which flavor (default: self); rope, qk-norm, qk-norm-layer: the rotation and "
+                        "the normalisation of each head's queries and keys")
     p.add_argument("-o", "--output", required=True, metavar="FILE",
                    help=f"output file: {', '.join('.' + s for s in SUFFIXES)} (the suffix sets the format)")
     p.add_argument("--format", choices=GRAPH_FORMATS, default=None, dest="fmt",

@@ -108,15 +108,15 @@ def rope_angles(positions: np.ndarray, rotary_dim: int, base: float) -> np.ndarr
     return positions.astype(np.float64)[..., None] * theta  # (R1) (L, R/2) or (B, L, R/2)
 
 
-def _pairs(x, r: int, layout: str):
+def split_pairs(x, r: int, layout: str):
     """(u, w, rest): the two members of each rotated pair and the pass-through features."""
     if layout == "half":
         return x[..., : r // 2], x[..., r // 2 : r], x[..., r:]  # (R2) (B, H, L, R/2) x2
     return x[..., 0:r:2], x[..., 1:r:2], x[..., r:]  # (R2) (B, H, L, R/2) x2
 
 
-def _unpair(xp, u, w, rest, layout: str):
-    """Inverse of :func:`_pairs`: (B, H, L, R/2) x2 and (B, H, L, D-R) -> (B, H, L, D)."""
+def merge_pairs(xp, u, w, rest, layout: str):
+    """Inverse of :func:`split_pairs`: (B, H, L, R/2) x2 and (B, H, L, D-R) -> (B, H, L, D)."""
     if layout == "half":
         rot = xp.concat((u, w), axis=-1)  # (B, H, L, R)
     else:
@@ -126,10 +126,10 @@ def _unpair(xp, u, w, rest, layout: str):
 
 def _rotate(xp, x, cos, sin, r: int, layout: str):
     """Rotate each pair of x by the angle whose cosine and sine are given (R3)."""
-    u, w, rest = _pairs(x, r, layout)
+    u, w, rest = split_pairs(x, r, layout)
     u2 = u * cos - w * sin  # (R3) (B, H, L, R/2)
     w2 = w * cos + u * sin  # (R3) (B, H, L, R/2)
-    return _unpair(xp, u2, w2, rest, layout)  # (R4) a fresh array (concat / stack copy)
+    return merge_pairs(xp, u2, w2, rest, layout)  # (R4) a fresh array (concat / stack copy)
 
 
 def rope_forward(x, positions, *, rotary_dim=None, base=10000.0, layout="half"):

@@ -31,6 +31,7 @@ from .expr import (
     SoftmaxJacobian,
     Sym,
 )
+from .rope_norm import EXTRA, extra_catalogue
 
 FLAVORS = ("self", "cross", "causal")
 
@@ -58,6 +59,8 @@ class Catalogue(NamedTuple):
     flavor: str
     symbols: dict  # name -> Sym, in order of first use
     sections: tuple  # of Section
+    title: str = ""  # the document's title (default: FLAVOR_TITLES[flavor])
+    notes: str = ""  # its closing notes (default: the flavor's "Masks and scale")
 
 
 def _symbols(flavor: str) -> dict:
@@ -107,9 +110,12 @@ def _symbols(flavor: str) -> dict:
 
 
 def catalogue(flavor: str) -> Catalogue:
-    """Every formula of one flavor, in sections (printing order)."""
+    """Every formula of one flavor, in sections (printing order).  Also the catalogues of
+    RoPE and QK-norm (rope_norm.EXTRA: "rope", "qk-norm", "qk-norm-layer")."""
+    if flavor in EXTRA:
+        return extra_catalogue(flavor, Catalogue, Section)
     if flavor not in FLAVORS:
-        raise ValueError(f"flavor must be one of {', '.join(FLAVORS)}; got {flavor!r}")
+        raise ValueError(f"flavor must be one of {', '.join((*FLAVORS, *EXTRA))}; got {flavor!r}")
     S = _symbols(flavor)
     g = lambda n: S[n]
     d = lambda n: S["d" + n]

@@ -9,6 +9,7 @@ trees, so it cannot miss one), and every notation (∘, rowsum, [A]_h, …) belo
 from __future__ import annotations
 
 from .catalogue import FLAVOR_TITLES, FLAVORS, Catalogue, catalogue
+from .rope_norm import EXTRA, EXTRA_NOTATION
 
 FORMATS = ("text", "markdown", "latex")
 
@@ -58,8 +59,8 @@ def render(cat: Catalogue, fmt: str) -> str:
 
 def derive_document(flavor: str = "all", fmt: str = "text") -> str:
     """What ``attngrad derive --flavor FLAVOR --format FMT`` prints."""
-    if flavor != "all" and flavor not in FLAVORS:
-        raise ValueError(f"flavor must be one of {', '.join(FLAVORS)} or all; got {flavor!r}")
+    if flavor != "all" and flavor not in (*FLAVORS, *EXTRA):
+        raise ValueError(f"flavor must be one of {', '.join((*FLAVORS, *EXTRA))} or all; got {flavor!r}")
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {', '.join(FORMATS)}; got {fmt!r}")
     flavors = FLAVORS if flavor == "all" else (flavor,)
@@ -72,21 +73,35 @@ def derive_document(flavor: str = "all", fmt: str = "text") -> str:
     return body
 
 
+def _title(cat: Catalogue) -> str:
+    return cat.title or FLAVOR_TITLES[cat.flavor]
+
+
+def _closing(cat: Catalogue) -> tuple:
+    """(heading, text) of the closing notes."""
+    return ("Notes", cat.notes) if cat.notes else ("Masks and scale", MASKS_AND_SCALE[cat.flavor])
+
+
+def _notation(cat: Catalogue) -> tuple:
+    return EXTRA_NOTATION if cat.flavor in EXTRA else NOTATION
+
+
 def _text(cat: Catalogue) -> str:
     out = []
-    title = f"attngrad derive: {FLAVOR_TITLES[cat.flavor]}"
+    title = f"attngrad derive: {_title(cat)}"
     out += [title, "=" * len(title), ""]
     out += ["Symbols (per sequence; shapes of one head where the name has _h)", "-" * 64]
     w = max(len(s.txt) for s in cat.symbols.values())
     for s in cat.symbols.values():
         out.append(f"  {s.txt:<{w}}  {s.shape:<14}  {s.meaning}")
     out += ["", "Notation", "--------"]
-    w = max(len(n) for n, _, _ in NOTATION)
-    out += [f"  {n:<{w}}  {m}" for n, _, m in NOTATION]
+    w = max(len(n) for n, _, _ in _notation(cat))
+    out += [f"  {n:<{w}}  {m}" for n, _, m in _notation(cat)]
     for sec in cat.sections:
         out += ["", sec.title, "-" * len(sec.title), *_wrap_words(sec.intro), ""]
         out += [f"  {f.tag:<6} {f.text()}" for f in sec.formulas]
-    out += ["", "Masks and scale", "---------------", *_wrap_words(MASKS_AND_SCALE[cat.flavor]), ""]
+    head, notes = _closing(cat)
+    out += ["", head, "-" * len(head), *_wrap_words(notes), ""]
     return "\n".join(out)
 
 
@@ -102,29 +117,31 @@ def _wrap_words(text: str, width: int = 88) -> list:
 
 
 def _markdown(cat: Catalogue) -> str:
-    out = [f"# attngrad derive: {FLAVOR_TITLES[cat.flavor]}", ""]
+    out = [f"# attngrad derive: {_title(cat)}", ""]
     out += ["## Symbols", "", "Per sequence; shapes of one head where the name has _h.", ""]
     out += ["| symbol | shape | meaning |", "|---|---|---|"]
     out += [f"| ${s.tex}$ | {s.shape} | {s.meaning} |" for s in cat.symbols.values()]
     out += ["", "## Notation", "", "| notation | meaning |", "|---|---|"]
-    out += [f"| ${t}$ | {m} |" for _, t, m in NOTATION]
+    out += [f"| ${t}$ | {m} |" for _, t, m in _notation(cat)]
     for sec in cat.sections:
         out += ["", f"## {sec.title}", "", sec.intro, ""]
         out += [f"$$ {f.latex()} \\qquad \\text{{{f.tag}}} $$" for f in sec.formulas]
-    out += ["", "## Masks and scale", "", MASKS_AND_SCALE[cat.flavor], ""]
+    head, notes = _closing(cat)
+    out += ["", f"## {head}", "", notes, ""]
     return "\n".join(out)
 
 
 def _latex(cat: Catalogue) -> str:
-    out = [f"\\section*{{attngrad derive: {_prose_latex(FLAVOR_TITLES[cat.flavor])}}}", ""]
+    out = [f"\\section*{{attngrad derive: {_prose_latex(_title(cat))}}}", ""]
     out += ["\\subsection*{Symbols}", "Per sequence; shapes of one head where the name has \\_h.", ""]
     out += ["\\begin{tabular}{lll}"]
     out += [f"${s.tex}$ & {_prose_latex(s.shape)} & {_prose_latex(s.meaning)} \\\\" for s in cat.symbols.values()]
     out += ["\\end{tabular}", "", "\\subsection*{Notation}", "\\begin{tabular}{ll}"]
-    out += [f"${t}$ & {_prose_latex(m)} \\\\" for _, t, m in NOTATION]
+    out += [f"${t}$ & {_prose_latex(m)} \\\\" for _, t, m in _notation(cat)]
     out += ["\\end{tabular}"]
     for sec in cat.sections:
         out += ["", f"\\subsection*{{{_prose_latex(sec.title)}}}", _prose_latex(sec.intro)]
         out += [f"\\begin{{equation*}} {f.latex()} \\tag*{{{f.tag}}} \\end{{equation*}}" for f in sec.formulas]
-    out += ["", "\\subsection*{Masks and scale}", _prose_latex(MASKS_AND_SCALE[cat.flavor]), ""]
+    head, notes = _closing(cat)
+    out += ["", f"\\subsection*{{{head}}}", _prose_latex(notes), ""]
     return "\n".join(out)

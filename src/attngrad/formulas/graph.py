@@ -15,6 +15,7 @@ from pathlib import Path
 
 from .catalogue import FLAVOR_TITLES, FLAVORS, Catalogue, catalogue
 from .expr import Add, Expr
+from .rope_norm import EXTRA
 
 GRAPH_FORMATS = ("dot", "svg", "png")
 _HEAD = ("Q_h", "K_h", "V_h", "S_h", "P_h", "O_h", "dQ_h")
@@ -44,9 +45,14 @@ def _kind(name: str, cat: Catalogue, defined: set) -> str:
         return "loss"
     if name in ("X", "M"):
         return "input"
-    if name.startswith(("W_", "b_")):
+    if name.startswith(("W_", "b_")) or name == "w":  # w: a QK-norm weight
         return "param"
     return "value" if name in defined else "const"
+
+
+def _ident(name: str) -> str:
+    """A DOT identifier from a flavor name ("qk-norm" -> "qk_norm")."""
+    return name.replace("-", "_")
 
 
 def _quote(s: str) -> str:
@@ -76,8 +82,8 @@ def graph_edges(cat: Catalogue):
 def graph_dot(flavor: str) -> str:
     """The DOT source of one flavor's graph ("all": the three side by side)."""
     flavors = FLAVORS if flavor == "all" else (flavor,)
-    if flavor != "all" and flavor not in FLAVORS:
-        raise ValueError(f"flavor must be one of {', '.join(FLAVORS)} or all; got {flavor!r}")
+    if flavor != "all" and flavor not in (*FLAVORS, *EXTRA):
+        raise ValueError(f"flavor must be one of {', '.join((*FLAVORS, *EXTRA))} or all; got {flavor!r}")
     out = ["digraph attngrad {", '  rankdir=TB; newrank=true; fontname="Helvetica";',
            '  node [fontname="Helvetica", fontsize=11]; edge [fontname="Helvetica", fontsize=9];',
            '  label="attngrad graph: solid = forward (formula), dashed red = backward (local gradient)"; labelloc=t;']
@@ -87,8 +93,8 @@ def graph_dot(flavor: str) -> str:
         forward, backward = graph_edges(cat)
         defined = {v for _, v, _ in forward}
         names = dict.fromkeys([u for u, _, _ in forward] + [v for _, v, _ in forward])
-        out.append(f"  subgraph cluster_{fl} {{ label={_quote(FLAVOR_TITLES[fl])};")
-        out.append(f'    subgraph cluster_{fl}_heads {{ label="for each head h = 1 … H"; style=dashed;')
+        out.append(f"  subgraph cluster_{_ident(fl)} {{ label={_quote(cat.title or FLAVOR_TITLES[fl])};")
+        out.append(f'    subgraph cluster_{_ident(fl)}_heads {{ label="for each head h = 1 … H"; style=dashed;')
         for n in names:
             if n in _HEAD:
                 out.append(f"      {_quote(p + n)} [label={_quote(cat.symbols[n].txt)}, {_STYLE[_kind(n, cat, defined)]}];")
