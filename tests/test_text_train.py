@@ -157,3 +157,13 @@ def test_resume_is_bitwise_and_checks_the_file(tmp_path, capsys):
     capsys.readouterr()
     assert _train(*common, "--steps", "12", "--out", str(b), "--resume") == 2
     _one_line_error(capsys, "not the file this run was trained on")
+
+
+def test_report_run_rewrites_the_page(run, tmp_path, capsys):
+    _, out = run
+    page = tmp_path / "page.html"
+    assert main(["report", "--run", str(out), "-o", str(page)]) == 0
+    html = page.read_text()
+    assert "validation perplexity" in html and "unigram baseline" in html
+    assert html.count('aria-label="step 150: layer 0 head 1"') == 1  # the last snapshot, one map per head
+    assert "Content-Security-Policy" in html and "<script" not in html
