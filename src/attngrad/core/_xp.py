@@ -92,6 +92,14 @@ def check_float_dtypes(arrays: dict[str, Array]) -> Any:
     return None if first is None else first.dtype
 
 
+def check_broadcast(name: str, a, full: tuple) -> tuple:
+    """The one broadcast check: ``a``'s shape must broadcast to (B, H, Lq, Lk) = ``full``."""
+    shape = tuple(a.shape)
+    if len(shape) > 4 or any(s not in (1, f) for s, f in zip(shape[::-1], full[::-1], strict=False)):
+        raise ValueError(f"{name} of shape {shape} does not broadcast to (B, H, Lq, Lk) = {full}")
+    return shape
+
+
 def compute_dtype(xp, dtype):
     """Half precision is computed in float32; float32/float64 as given."""
     if dtype_name(dtype) in _COMPUTE_DTYPES:

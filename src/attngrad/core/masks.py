@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._xp import Array, check_array, dtype_name
+from ._xp import Array, check_array, check_broadcast, dtype_name
 
 CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
 
@@ -192,13 +192,7 @@ def make_mask_spec(
                 f"mask must be boolean (True = attend); got dtype {dtype_name(mask.dtype)}. "
                 "Pass an additive float mask as bias= instead"
             )
-        shape = tuple(mask.shape)
-        if len(shape) > 4 or any(
-            s not in (1, f) for s, f in zip(shape[::-1], full[::-1], strict=False)
-        ):
-            raise ValueError(
-                f"mask of shape {shape} does not broadcast to (B, H, Lq, Lk) = {full}"
-            )
+        shape = check_broadcast("mask", mask, full)
         # xp.asarray: a mask of another library (NumPy for torch inputs, ...) becomes xp's
         norm_mask = xp.reshape(xp.asarray(mask), (1,) * (4 - len(shape)) + shape)  # (b, h, lq, lk)
     if key_lengths is not None and key_mask is not None:

@@ -14,7 +14,15 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ._xp import Array, check_array, check_float_dtypes, check_scale, compute_dtype, dtype_name
+from ._xp import (
+    Array,
+    check_array,
+    check_broadcast,
+    check_float_dtypes,
+    check_scale,
+    compute_dtype,
+    dtype_name,
+)
 from .masks import MaskSpec, make_mask_spec
 
 
@@ -98,14 +106,6 @@ def validate_qkv(q, k, v) -> SDPAShape:
             f"q's heads H={h} must be a multiple of k/v heads Hkv={hkv} (grouped-query attention)"
         )
     return SDPAShape(b, h, hkv, lq, k.shape[2], d, v.shape[3])
-
-
-def check_broadcast(name: str, a, full: tuple) -> tuple:
-    """The one broadcast check: ``a``'s shape must broadcast to (B, H, Lq, Lk) = ``full``."""
-    shape = tuple(a.shape)
-    if len(shape) > 4 or any(s not in (1, f) for s, f in zip(shape[::-1], full[::-1], strict=False)):
-        raise ValueError(f"{name} of shape {shape} does not broadcast to (B, H, Lq, Lk) = {full}")
-    return shape
 
 
 def make_problem(

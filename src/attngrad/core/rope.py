@@ -53,8 +53,9 @@ def check_layout(layout) -> str:
     return layout
 
 
-def check_rotary_dim(rotary_dim, d: int) -> int:
-    """R: an even integer with 2 <= R <= D (None -> D, which must then be even)."""
+def check_rotary_dim(rotary_dim, d: int | None) -> int:
+    """R: an even integer with 2 <= R <= D (None -> D, which must then be even); d=None
+    checks everything but the upper bound."""
     if rotary_dim is None:
         if d % 2:
             raise ValueError(
@@ -65,9 +66,9 @@ def check_rotary_dim(rotary_dim, d: int) -> int:
     if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int | np.integer):
         raise TypeError(f"rotary_dim must be an integer; got {type(rotary_dim).__name__}")
     r = int(rotary_dim)
-    if r < 2 or r % 2 or r > d:
+    if r < 2 or r % 2 or (d is not None and r > d):
         raise ValueError(
-            f"rotary_dim must be an even integer in [2, D={d}]; got {r}"
+            f"rotary_dim must be an even integer in [2, {'the head dim' if d is None else f'D={d}'}]; got {r}"
             + (" (odd: features rotate in pairs)" if r % 2 else "")
         )
     return r
@@ -199,7 +200,7 @@ class RoPE:
         check_base(self.base)
         check_layout(self.layout)
         if self.rotary_dim is not None:
-            check_rotary_dim(self.rotary_dim, self.rotary_dim)  # even and >= 2; <= D checked at use
+            check_rotary_dim(self.rotary_dim, None)  # even and >= 2; <= D checked at use
 
 
 def make_rope(rope) -> RoPE | None:

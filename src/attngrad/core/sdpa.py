@@ -84,6 +84,9 @@ def sdpa_forward(
     if impl == "dense" and (block_q, block_k, threads) != (None, None, None):
         raise ValueError("block_q, block_k and threads apply to impl='tiled' or 'auto' only")
     validate_qkv(q, k, v)
+    if bias is not None:
+        check_array("bias", bias)
+        check_float_dtypes({"q": q, "k": k, "v": v, "bias": bias})  # names a mixed-up argument
     xp = namespace(q, k, v, *(a for a in (bias, sinks, alibi_slopes) if hasattr(a, "shape")))
     prob = make_problem(
         xp, q, k, v, mask=mask, key_lengths=key_lengths, key_mask=key_mask, causal=causal,
