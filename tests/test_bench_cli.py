@@ -59,3 +59,45 @@ def test_bad_config_value_is_one_line_exit_2(argv, message, capsys):
     assert main(["bench", "--sizes", "8", "--no-memory", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+# ---------------------------------------------------------------- issue 9, items 12 and 13
+
+
+def test_without_torch_bench_names_the_extra_before_any_work(monkeypatch, capsys):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch fails, find_spec finds nothing
+    assert main(["bench", "--sizes", "8", "--no-memory", "--settle", "0", "--rounds", "1"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "pip install 'attngrad[torch]'" in err[0] and "torch_sdpa" in err[0]
+    # NumPy contenders alone need no torch
+    argv = ["bench", "--sizes", "8", "--no-memory", "--settle", "0", "--rounds", "1", "--no-layer",
+            "--contenders", "attngrad_dense,attngrad_tiled", "--json"]
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["environment"]["torch"] is None
+
+
+def test_memory_is_estimated_before_any_work():
+    from attngrad.bench import BenchConfig, run_bench
+    from attngrad.bench.runner import estimate_memory
+    from attngrad.resources import ResourceError
+
+    dense = BenchConfig(sizes=(100000,), contenders=("attngrad_dense",), layer=False)
+    tiled = BenchConfig(sizes=(100000,), contenders=("attngrad_tiled",), layer=False)
+    assert estimate_memory(dense) > 1e12  # 8 heads x N^2 float32, four times
+    assert estimate_memory(tiled) < 1e10  # O(N)
+    with pytest.raises(ResourceError, match=r"needs about .* available"):
+        run_bench(dense)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"threads": -1}, "threads"), ({"threads": 0}, "threads"), ({"block_q": 0}, "block_q"),
+     ({"settle": float("inf")}, "settle"), ({"causal": ()}, "causal"), ({"memory_max_dense_n": 0}, "memory_max")],
+)
+def test_bench_config_refuses(kwargs, match):
+    from attngrad.bench import BenchConfig
+
+    with pytest.raises((ValueError, TypeError), match=match):
+        BenchConfig(**kwargs)

@@ -105,3 +105,101 @@ def test_bad_options_exit_2_with_one_line(argv):
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, proc.stderr
     assert "error" in lines[0]
+
+
+# ---------------------------------------------------------------- issue 9, items 15 and 16
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"flavors": ("causal",), "lq": 5, "lk": 9, "causal_align": "bottom_right"}, "lk=9 cannot apply"),
+        ({"flavors": ("self",), "lk": 7}, "lk=7 cannot apply"),
+        ({"causal_align": "bottom_right"}, "cannot apply"),  # all flavors, no causal mask on cross
+        ({"flavors": ("cross",), "masks": ("causal",), "lq": 7, "causal_align": "top_left"}, "lk=7"),
+    ],
+)
+def test_an_option_that_cannot_apply_is_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        CheckConfig(**kwargs)
+
+
+def test_options_that_apply_are_taken():
+    cfg = CheckConfig(flavors=("cross",), masks=("causal",), lq=5, lk=9, causal_align="bottom_right")
+    assert cfg.lengths("cross") == (5, 9) and cfg.alignment == "bottom_right"
+    assert CheckConfig(flavors=("causal",)).lengths("causal") == (5, 5)
+
+
+def _large():
+    # 2 x 300 x 8 entries in X alone: more than FULL_FD_MAX, so random directions
+    return CheckConfig(flavors=("self",), lq=300, masks=())
+
+
+def test_a_large_case_is_checked_along_random_directions():
+    from attngrad.check.budget import FULL_FD_MAX, entries
+
+    cfg = _large()
+    assert entries(cfg, "self") > FULL_FD_MAX
+    messages = []
+    report = run_check(cfg, progress=messages.append)
+    assert report.passed
+    fd = [r for r in report.records if r.reference != runner_mod.AUTOGRAD]
+    assert fd and {r.reference for r in fd} == {runner_mod.RANDOM_FD}
+    assert any("random unit directions" in n for n in report.notes)
+    assert any(m.startswith("estimated") for m in messages) and any("random directions" in m for m in messages)
+
+
+def test_random_directions_catch_a_wrong_gradient(monkeypatch):
+    real = runner_mod.closed_form_gradients
+
+    def broken(case):
+        grads = real(case)
+        grads["W_v"] = grads["W_v"] * (1 + 1e-2)
+        return grads
+
+    monkeypatch.setattr(runner_mod, "closed_form_gradients", broken)
+    monkeypatch.setattr(runner_mod, "torch_available", lambda: None)
+    report = run_check(_large())
+    failed = {(r.gradient, r.reference) for r in report.records if not r.passed}
+    assert failed == {("W_v", runner_mod.RANDOM_FD)}
+
+
+def test_a_run_that_cannot_fit_is_refused_with_the_estimate(monkeypatch):
+    from attngrad import resources
+
+    monkeypatch.setattr(resources, "available_memory", lambda: 1000)
+    with pytest.raises(resources.ResourceError, match=r"needs about .* of memory .* 1 kB available"):
+        run_check(CheckConfig(flavors=("self",)))
+    monkeypatch.setattr(runner_mod, "TIME_LIMIT", 1e-6)
+    monkeypatch.setattr(resources, "available_memory", lambda: None)
+    with pytest.raises(resources.ResourceError, match="would take about"):
+        run_check(CheckConfig(flavors=("self",)))
+
+
+def test_huge_sizes_are_refused_before_any_work(capsys):
+    for argv in (["--lq", "100000", "--lk", "100000"], ["--width", "100000"]):
+        assert main(["check", *argv]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "needs about" in err[0] and "available" in err[0]
+
+
+def test_readme_sample_is_a_real_run(capsys):
+    """The README's sample `check` output: every line it shows appears in a real run (the
+    error values masked: their last digits depend on the machine's BLAS)."""
+    pytest.importorskip("torch")
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text(encoding="utf-8")
+    sample = readme.split("## What `attngrad check` prints", 1)[1].split("```text\n", 1)[1].split("```", 1)[0]
+    assert main(["check"]) == 0
+    real = capsys.readouterr().out
+
+    def mask(text):
+        return re.sub(r"\d\.\d\de[-+]\d\d", "#", re.sub(r"torch \S+\)", "torch)", text))
+
+    real_lines = set(mask(real).splitlines())
+    shown = [line for line in sample.splitlines() if line.strip() and line != "..."]
+    assert len(shown) >= 8
+    for line in shown:
+        assert mask(line) in real_lines, line

@@ -60,3 +60,34 @@ def test_bad_options_exit_2(capsys):
         assert "invalid choice" in err and "Traceback" not in err
     with pytest.raises(ValueError, match="format"):
         derive_document("self", "html")
+
+
+class _FailingStdout:
+    """A stdout whose writes fail as a full disk or a closed pipe does."""
+
+    def __init__(self, exc):
+        self.exc = exc
+
+    def write(self, text):
+        raise self.exc
+
+    def flush(self):
+        raise self.exc
+
+
+def test_a_full_disk_on_stdout_is_one_line_exit_1(monkeypatch, capsys):
+    import errno
+    import sys
+
+    monkeypatch.setattr(sys, "stdout", _FailingStdout(OSError(errno.ENOSPC, "No space left on device")))
+    assert main(["derive", "--flavor", "self"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["attngrad derive: error: cannot write the output: No space left on device"]
+
+
+def test_a_closed_pipe_is_quiet_exit_1(monkeypatch, capsys):
+    import sys
+
+    monkeypatch.setattr(sys, "stdout", _FailingStdout(BrokenPipeError(32, "Broken pipe")))
+    assert main(["derive"]) == 1  # `attngrad derive | head`: the reader left; nothing to report
+    assert "Traceback" not in capsys.readouterr().err

@@ -70,3 +70,23 @@ def test_errors(tmp_path, capsys):
     assert "cannot write" in capsys.readouterr().err
     with pytest.raises(ValueError, match="flavor"):
         graph_dot("nope")
+
+
+@pytest.mark.parametrize("name", ["g.pdf", "g.txt", "g.jpeg"])
+def test_a_suffix_it_cannot_write_is_refused_and_nothing_written(tmp_path, capsys, name):
+    """`graph -o g.pdf` used to write DOT text into g.pdf and exit 0."""
+    assert main(["graph", "-o", str(tmp_path / name)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "names no format" in err[0]
+    assert not list(tmp_path.iterdir())
+
+
+def test_format_and_suffix_must_agree(tmp_path):
+    from attngrad.cli.graph import output_format
+
+    assert output_format("g.gv", None) == "dot" and output_format("g.SVG", None) == "svg"
+    assert output_format("graph", "png") == "png" and output_format("graph", None) == "dot"
+    with pytest.raises(ValueError, match="disagrees"):
+        output_format("g.svg", "png")
+    with pytest.raises(ValueError, match="disagrees"):
+        output_format("g.pdf.dot", "svg")

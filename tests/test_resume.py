@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -187,3 +188,95 @@ def test_cli_bad_options_exit_2_with_one_line(tmp_path, bad):
     assert r.returncode == 2, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
     assert not list_checkpoints(tmp_path / "o")
+
+
+# ---------------------------------------------------------------- issue 9: refused up front
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"min_len": 1, "max_len": 1}, "none of them falls in the held-out split"),
+     ({"symbols": 2, "min_len": 1, "max_len": 2}, "6 distinct sources"),
+     ({"symbols": 2, "min_len": 1, "max_len": 1, "holdout": 2}, "held-out split|nothing to train on")],
+)
+def test_task_settings_without_possible_data_are_refused(kwargs, match):
+    from attngrad.train.data import TaskConfig
+
+    with pytest.raises(ValueError, match=match):
+        TaskConfig(**kwargs)
+
+
+def test_sampling_is_bounded(monkeypatch):
+    """Even if the split were wrong, sampling gives up instead of looping forever."""
+    from attngrad.train import data as D
+
+    cfg = D.TaskConfig(symbols=6, min_len=3, max_len=5)
+    monkeypatch.setattr(D, "is_held_out", lambda x, holdout: True)  # no training source left
+    with pytest.raises(RuntimeError, match="found only 0 of 4 training sources"):
+        D.sample_sources(np.random.default_rng(0), 4, cfg, held_out=False)
+
+
+def test_train_checks_its_needs_before_any_work(tmp_path, monkeypatch):
+    small = TrainConfig.from_flat({**CFG.to_flat(), "steps": 2, "warmup": 0})
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if matplotlib were not installed
+    with pytest.raises(ImportError, match=r"pip install 'attngrad\[plot\]'"):
+        train(small, tmp_path / "run", progress=False, plots=True)
+    assert not (tmp_path / "run").exists()  # refused before training, not after
+    monkeypatch.delitem(sys.modules, "matplotlib")
+    big = TrainConfig.from_flat({**small.to_flat(), "dim": 100000})
+    with pytest.raises(ValueError, match=r"needs about .* TB of memory .* available"):
+        train(big, tmp_path / "run", progress=False, plots=False)
+    assert not (tmp_path / "run").exists()
+
+
+def test_output_folder_is_checked_before_any_work(tmp_path):
+    from attngrad.train.loop import prepare_out
+
+    file = tmp_path / "f"
+    file.write_text("x")
+    with pytest.raises(ValueError, match="out must be a folder"):
+        prepare_out(file, fresh=True)
+    with pytest.raises(ValueError, match="out must be a folder"):
+        prepare_out(Path("/dev/null"), fresh=True)
+    with pytest.raises(OSError, match="cannot create the output folder"):
+        prepare_out(file / "sub", fresh=True)
+    prepare_out(tmp_path / "new" / "run", fresh=True)
+    assert (tmp_path / "new" / "run").is_dir()
+
+
+def test_warmup_longer_than_the_run_is_warned(tmp_path):
+    cfg = TrainConfig.from_flat({**CFG.to_flat(), "steps": 2, "eval_size": 2})
+    assert any("warmup=4 >= steps=2" in w for w in cfg.warnings())
+    assert not CFG.warnings()
+    heard = []
+    train(cfg, tmp_path / "run", progress=False, plots=False, log=lambda *a: None, warn=heard.append)
+    assert heard == [f"warning: {w}" for w in cfg.warnings()]
+
+
+def test_train_config_composes_adamw_config():
+    from dataclasses import fields
+
+    from attngrad.train.loop import OPTIM_FIELDS, flat_fields, stored_config
+
+    names = {f.name for f in fields(TrainConfig)}
+    assert names.isdisjoint(OPTIM_FIELDS) and "optim" in names  # declared once, in AdamWConfig
+    assert set(OPTIM_FIELDS) <= set(flat_fields())
+    assert TrainConfig.from_flat(CFG.to_flat()) == CFG
+    assert CFG.optim == AdamWConfig(warmup=4)
+    assert TrainConfig().optim == AdamWConfig()  # the run's defaults are AdamWConfig's
+    with pytest.raises(TypeError, match="optim must be an AdamWConfig"):
+        TrainConfig(optim={"lr": 1e-3})
+    assert callable(stored_config)
+
+
+def test_train_and_plots_do_not_import_each_other_and_blas_threads_is_cores():
+    import ast
+
+    import attngrad.core.parallel as parallel
+    import attngrad.train.loop as loop
+    import attngrad.train.plots as plots
+
+    tree = ast.parse(Path(plots.__file__).read_text(encoding="utf-8"))
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert not {m for m in imported if m and m.endswith("loop")}
+    assert loop.blas_threads is parallel.blas_threads

@@ -195,7 +195,7 @@ def run_bench(cfg: BenchConfig) -> BenchResult:
                         "contenders that keep N x N (torch_naive, attngrad_dense)")
     threads = cfg.threads or available_cores()
     result = BenchResult(cfg, environment=_environment(threads))
-    if any(library(n) == "torch" for n in cfg.contenders + cfg.layer_contenders):
+    if any(library(n) == "torch" for n in selected(cfg)):
         import torch
 
         torch.set_num_threads(threads)
