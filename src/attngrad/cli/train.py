@@ -78,12 +78,13 @@ OPTIONS = [
 def register(sub) -> None:
     p = sub.add_parser(
         "train",
-        help="train a Transformer on a toy task with nothing but hand-derived gradients",
+        help="train a Transformer on a toy task or your own text (--data) with hand-derived gradients only",
         description=(
             "Train an encoder-decoder, decoder-only or Llama-style (--model llama: RoPE, RMSNorm, "
             "SwiGLU, GQA, no biases) Transformer in pure NumPy (every backward "
-            "pass closed-form) on copy/reverse/sort, generated in-process. Writes metrics.jsonl, "
-            "loss_curve.png, attention_*.png and checkpoints (ckpt-*.npz) to --out."
+            "pass closed-form) on copy/reverse/sort, generated in-process, or a byte-level language "
+            "model on a UTF-8 text file (--data FILE.txt, its tail held out). Writes metrics.jsonl, "
+            "loss_curve.png, attention_*.png, report.html and checkpoints (ckpt-*.npz) to --out."
         ),
     )
     p.add_argument("--task", choices=TASKS, default=None, help=f"toy task (default {_D['task']})")
