@@ -240,7 +240,7 @@ def test_cli_failure_exit_1_junit_and_repro(capsys, tmp_path):
     case_id = next(c.get("name") for c in suites["gqa"].iter("testcase") if c.find("failure") is not None)
     code, out, _ = run_cli([f"{MUTANT_FILE}:gqa_mod", "--repro", case_id], capsys)
     assert code == 1
-    assert "where dk is off" in out and "kv head" in out and "query rows" in out
+    assert "where dk is off" in out and "kv head" in out and "query rows" in out and "keys" in out
 
 
 def test_cli_repro_points_at_fully_masked_rows(capsys):

@@ -53,7 +53,7 @@ def worst_errors(report) -> list:
 
 def format_report(report) -> str:
     lines = [
-        f"attngrad conform {report.target}: {report.note} ({report.protocol} protocol); "
+        f"attngrad conform {report.target} ({report.protocol} protocol: {report.note}); "
         f"grid {report.grid}, {len(report.results)} cases, {report.seconds:.0f} s",
         f"verdict: {rule_text(report)}",
         "",

@@ -35,6 +35,7 @@ def _where(name: str, got, ref, limit: float, problem) -> list:
     lines = [f"    {int(bad.sum())} of {bad.size} entries off by more than {limit:.2e}"]
     worst = np.unravel_index(int(np.argmax(diff)), diff.shape)
     lines.append(f"    worst at index {tuple(int(i) for i in worst)}: got {got[worst]:.6g}, reference {ref[worst]:.6g}")
+    found: dict = {}  # what is off -> the (batch, head) pairs where it is
     if name in ("out", "q") and got.ndim == 4:  # (B, H, Lq, X): which heads, which query rows
         rows = bad.any(axis=3)  # (B, H, Lq)
         keys_per_row = problem.allowed.sum(axis=3)  # (B, H, Lq)
@@ -42,7 +43,8 @@ def _where(name: str, got, ref, limit: float, problem) -> list:
             r = np.nonzero(rows[b, h])[0]
             empty = int(np.sum(keys_per_row[b, h, r] == 0))
             note = f" ({empty} of them fully masked)" if empty else ""
-            lines.append(f"    batch {b} head {h}: query rows {ranges(r)}{note}")
+            found.setdefault(f"query rows {ranges(r)}{note}", []).append(f"{b}/{h}")
+        head = "batch/head"
     elif name in ("k", "v") and got.ndim == 4:  # (B, Hkv, Lk, X): which kv heads, which keys
         keys = bad.any(axis=3)  # (B, Hkv, Lk)
         g = c.h // c.hkv
@@ -51,9 +53,13 @@ def _where(name: str, got, ref, limit: float, problem) -> list:
             j = np.nonzero(keys[b, hk])[0]
             unused = int(np.sum(~used[b, hk * g:(hk + 1) * g, j].any(axis=0)))
             note = f" ({unused} of them attended by no query)" if unused else ""
-            lines.append(f"    batch {b} kv head {hk} (query heads {hk * g}-{(hk + 1) * g - 1}): keys {ranges(j)}{note}")
+            found.setdefault(f"keys {ranges(j)}{note}", []).append(f"{b}/{hk}")
+        head = f"batch/kv head (each serving {g} query heads)" if g > 1 else "batch/head"
     elif got.ndim == 1:  # sinks, slopes: per head
         lines.append(f"    heads {ranges(np.nonzero(bad)[0])}")
+    for what, where in found.items():
+        shown = " ".join(where[:12]) + (f" ... ({len(where)} in all)" if len(where) > 12 else "")
+        lines.append(f"    {head} {shown}: {what}")
     return lines
 
 
@@ -78,6 +84,12 @@ def reproduce(target, case_id: str, *, protocol=None, features=None,
     if result.verdict == SKIP or result.verdict == "pass":
         return "\n".join(lines), result.verdict != "fail"
     problem = make_problem(case)
+    if case.probe in ("nan_keys", "inf_values"):
+        poison = ~np.isfinite(problem.k if case.probe == "nan_keys" else problem.v).all(axis=3)  # (B, Hkv, Lk)
+        what = "NaN in K" if case.probe == "nan_keys" else "+-inf and NaN in V"
+        for b, hk in zip(*np.nonzero(poison.any(axis=2)), strict=True):
+            lines.append(f"  probe: {what} at batch {b} kv head {hk}, keys {ranges(np.nonzero(poison[b, hk])[0])} "
+                         "(keys no query may attend)")
     ref = reference(problem)
     try:
         got = t.run(problem)

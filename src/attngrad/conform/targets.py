@@ -416,8 +416,9 @@ def _builtin(name: str) -> Target:
     if name == "jax.dpa":
         if importlib.util.find_spec("jax") is None:
             raise ValueError("target jax.dpa needs JAX, which is not importable here (pip install jax)")
-        # causal is top-left; bias gradients via vjp; key padding as key_value_seq_lengths
-        feats = BASE | {"mask", "padding", "fully_masked", "causal", "causal_top_left", "bias", "bias_grad"}
+        # causal and local windows are top-left aligned; key padding as key_value_seq_lengths
+        feats = BASE | {"mask", "padding", "fully_masked", "causal", "causal_top_left", "window",
+                        "bias", "bias_grad"}
         return Target(name, "jax", frozenset(feats), jax_dpa, "jax.nn.dot_product_attention (xla)")
     _torch()
     if name == "torch.naive":
@@ -499,7 +500,7 @@ def resolve_target(target, *, protocol: str | None = None, features=None) -> Tar
             run = sdpa_runner(obj) if proto == "sdpa" else flash_runner(obj)
         declared = getattr(obj, "attngrad_features", None)
         feats = PROTOCOL_FEATURES[proto] if declared is None else check_features(declared, f"{name}.attngrad_features")
-        t = Target(name, proto, frozenset(feats), run, f"user target, {proto} protocol")
+        t = Target(name, proto, frozenset(feats), run, "a user's function")
     if features is not None:
         t = Target(t.name, t.protocol, check_features(features), t.run, t.note)
     return t
