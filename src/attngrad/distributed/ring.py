@@ -381,7 +381,7 @@ def ring_attention_backward(dout, cache: RingCache, *, stats=None) -> dict:
     kshape, vshape = k.shape, v.shape
     cur = _pack(k, v, q.dtype)
     other = np.empty_like(cur) if p.world > 1 else None
-    sends = []  # dK/dV messages in flight (their buffers must live until sent)
+    in_flight = None  # (handle, buffer): the dK/dV message sent last step, kept alive until sent
     own = None
     for t in range(p.world):
         src = (p.rank - t) % p.world
@@ -392,6 +392,9 @@ def ring_attention_backward(dout, cache: RingCache, *, stats=None) -> dict:
         if t > 0:  # dK, dV of this shard from the ranks it visited before (RG4)
             incoming = np.empty(cur.size, dtype=cdt)
             arrived = ring.recv_prev(incoming, 2 * t - 1)
+        if in_flight is not None:  # last step's dK/dV message: sent by now (r+1 posted its receive)
+            ring.wait(in_flight[0])
+            in_flight = None  # at most one dK/dV message in flight: O(N/P) memory
         part = np.zeros(cur.size, dtype=cdt)  # this rank's dK, dV for the shard of rank src
         dk_t, dv_t = _unpack(part, kshape, vshape)
         k_t, v_t = _unpack(cur, kshape, vshape)
@@ -407,8 +410,9 @@ def ring_attention_backward(dout, cache: RingCache, *, stats=None) -> dict:
         if arrived is not None:
             ring.wait(arrived)
             part += incoming
+            incoming = None  # freed now, not at the next step
         if p.world > 1:
-            sends.append((ring.send_next(part, 2 * t + 1), part))  # on towards the owner
+            in_flight = (ring.send_next(part, 2 * t + 1), part)  # on towards the owner
         else:
             own = part
         for h in pending:
@@ -418,8 +422,7 @@ def ring_attention_backward(dout, cache: RingCache, *, stats=None) -> dict:
     if p.world > 1:  # the full dK, dV of this rank's shard come home from rank r-1
         own = np.empty(cur.size, dtype=cdt)
         ring.wait(ring.recv_prev(own, 2 * p.world - 1))
-        for h, _ in sends:
-            ring.wait(h)
+        ring.wait(in_flight[0])
     dk, dv = _unpack(own, kshape, vshape)
     grads = {"q": dq.astype(q.dtype, copy=False), "k": dk.astype(q.dtype, copy=False),
              "v": dv.astype(q.dtype, copy=False)}
