@@ -111,6 +111,33 @@ def check_params(params, num_heads: int, num_kv_heads: int | None = None) -> tup
     return num_heads, hkv, d, dv
 
 
+def check_inputs(params, query, key=None, value=None) -> tuple[tuple, tuple]:
+    """The layer's inputs, checked against checked ``params``: 3-D arrays of one floating
+    dtype, feature sizes matching W_q, W_k, W_v, one B, one Lk.  Returns which argument
+    each projection reads, ``("query", "query" | "key", "query" | "key" | "value")``, and
+    those arrays (X_q, X_k, X_v): key defaults to query, value to key."""
+    key_src = query if key is None else key
+    value_src = key_src if value is None else value
+    k_role = "query" if key is None else "key"
+    sources = ("query", k_role, k_role if value is None else "value")
+    for name, x in (("query", query), ("key", key_src), ("value", value_src)):
+        check_array(name, x, 3, "(B, L, E)")
+    check_float_dtypes({"query": query, "key": key, "value": value, **params})
+    for name, x, wname in (("query", query, "W_q"), ("key", key_src, "W_k"), ("value", value_src, "W_v")):
+        w = params[wname]
+        if x.shape[2] != w.shape[0]:
+            raise ValueError(
+                f"{name} has feature size {x.shape[2]} but {wname} expects {w.shape[0]} "
+                f"({wname} has shape {tuple(w.shape)})"
+            )
+    if key_src.shape[:2] != value_src.shape[:2] or key_src.shape[0] != query.shape[0]:
+        raise ValueError(
+            f"query, key and value must share B, and key and value share Lk; got shapes "
+            f"{tuple(query.shape)}, {tuple(key_src.shape)}, {tuple(value_src.shape)}"
+        )
+    return sources, (query, key_src, value_src)
+
+
 def mha_forward(
     params,
     query,
@@ -163,26 +190,10 @@ def mha_forward(
     """
     H, Hkv, D, _ = check_params(params, num_heads, num_kv_heads)
     qk_opts = check_qk_options(params, rope, qk_norm, qk_norm_eps, D)
-    key_src = query if key is None else key
-    value_src = key_src if value is None else value
-    sources = ("query", "query" if key is None else "key", ("query" if key is None else "key") if value is None else "value")
-    for name, x in (("query", query), ("key", key_src), ("value", value_src)):
-        check_array(name, x, 3, "(B, L, E)")
-    check_float_dtypes({"query": query, "key": key, "value": value, **params})
+    sources, (_, key_src, value_src) = check_inputs(params, query, key, value)
     xp = namespace(query, key, value, *params.values())
     wq, wk, wv, wo = (params[w] for w in WEIGHTS)
     bq, bk, bv, bo = (params.get(b) for b in BIASES)
-    for name, x, w, wname in (("query", query, wq, "W_q"), ("key", key_src, wk, "W_k"), ("value", value_src, wv, "W_v")):
-        if x.shape[2] != w.shape[0]:
-            raise ValueError(
-                f"{name} has feature size {x.shape[2]} but {wname} expects {w.shape[0]} "
-                f"({wname} has shape {tuple(w.shape)})"
-            )
-    if key_src.shape[:2] != value_src.shape[:2] or key_src.shape[0] != query.shape[0]:
-        raise ValueError(
-            f"query, key and value must share B, and key and value share Lk; got shapes "
-            f"{tuple(query.shape)}, {tuple(key_src.shape)}, {tuple(value_src.shape)}"
-        )
     q = split_heads(xp, project(xp, query, wq, bq), H)  # (M1) (B, H, Lq, D)
     k = split_heads(xp, project(xp, key_src, wk, bk), Hkv)  # (M1) (B, Hkv, Lk, D)
     v = split_heads(xp, project(xp, value_src, wv, bv), Hkv)  # (M1) (B, Hkv, Lk, Dv)
