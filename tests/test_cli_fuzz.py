@@ -93,6 +93,13 @@ BAD = [
     ("bench", ["--layer", "--layer-shape", "1,2,3"]),
     ("bench", ["--layer", "--layer-shape", "1,2,9,2"]),
     ("bench", ["--sizes", "100000", "--contenders", "attngrad_dense"]),
+    ("bench", ["--layer-shape", "1,2,8,2"]),  # --no-layer (in BENCH_BASE): cannot apply
+    ("bench", ["--layer-contenders", "torch_mha"]),
+    ("bench", ["--memory-max-dense-n", "100"]),  # --no-memory
+    ("bench", ["--no-timing", "--rounds", "3"]),
+    ("bench", ["--no-timing", "--settle", "1"]),
+    ("bench", ["--block-q", "16"]),  # attngrad_dense only: no tiles
+    ("bench", ["--no-timing"]),  # and --no-memory: nothing to measure
     # derive
     ("derive", ["--flavor", "encoder"]),
     ("derive", ["--format", "pdf"]),

@@ -71,6 +71,11 @@ class BenchConfig:
             raise ValueError(f"dtype must be 'float32' or 'float64'; got {self.dtype!r}")
         for name in self.contenders:
             contender("attention", name)
+        if (self.block_q is not None or self.block_k is not None) and "attngrad_tiled" not in self.contenders:
+            raise ValueError("block_q and block_k set the tiles of attngrad_tiled, which is not among the "
+                             f"contenders {', '.join(self.contenders)}: they cannot apply")
+        if not (self.memory or self.timing):
+            raise ValueError("memory and timing are both off: the benchmark would measure nothing")
         for name in self.layer_contenders:
             contender("layer", name)
 

@@ -80,27 +80,45 @@ def register(sub) -> None:
     p.add_argument("--block-k", type=_positive, default=None, help="tiled path: keys per tile")
     p.add_argument("--rounds", type=_positive, default=None, help="timed rounds (default 5; --quick: 2)")
     p.add_argument("--contenders", type=_names(ATTENTION), default=tuple(ATTENTION), help=f"comma list of {', '.join(ATTENTION)} (default all)")
-    p.add_argument("--layer-contenders", type=_names(LAYER), default=("torch_mha", "attngrad_mha"), help=f"comma list of {', '.join(LAYER)}")
+    p.add_argument("--layer-contenders", type=_names(LAYER), default=None, help=f"comma list of {', '.join(LAYER)} (default torch_mha,attngrad_mha)")
     p.add_argument("--layer", action=argparse.BooleanOptionalAction, default=True, help="also bench the multi-head layer B=4 N=256 E=512 H=8 (default: on)")
     p.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True, help="measure peak extra memory in fresh processes (default: on)")
     p.add_argument("--timing", action=argparse.BooleanOptionalAction, default=True, help="time the contenders (default: on; --no-timing for a memory-only sweep)")
-    p.add_argument("--memory-max-dense-n", type=_positive, default=4096, metavar="N", help="largest N at which contenders that keep N x N are measured (default 4096)")
-    p.add_argument("--layer-shape", type=_ints, default=(4, 256, 512, 8), metavar="B,N,E,H", help="layer case (default 4,256,512,8)")
-    p.add_argument("--settle", type=_seconds, default=0.15, metavar="S", help="seconds of idle before each timed call, so other thread pools stop spinning (default 0.15)")
+    p.add_argument("--memory-max-dense-n", type=_positive, default=None, metavar="N", help="largest N at which contenders that keep N x N are measured (default 4096)")
+    p.add_argument("--layer-shape", type=_ints, default=None, metavar="B,N,E,H", help="layer case (default 4,256,512,8)")
+    p.add_argument("--settle", type=_seconds, default=None, metavar="S", help="seconds of idle before each timed call, so other thread pools stop spinning (default 0.15)")
     p.add_argument("--quick", action="store_true", help="a short run: N=256,1024, 2 rounds")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
     p.set_defaults(func=run)
 
 
+# option -> (the switch it needs, that switch's flag): given without it, it cannot apply
+NEEDS = {
+    "layer_shape": ("layer", "--layer"), "layer_contenders": ("layer", "--layer"),
+    "memory_max_dense_n": ("memory", "--memory"), "rounds": ("timing", "--timing"),
+    "settle": ("timing", "--timing"),
+}
+
+
+def _refuse_what_cannot_apply(args) -> None:
+    """An option given for a part of the run that is switched off is an error, not ignored."""
+    for name, (switch, flag) in NEEDS.items():
+        if getattr(args, name) is not None and not getattr(args, switch):
+            option = "--" + name.replace("_", "-")
+            raise ValueError(f"{option} cannot apply: it belongs to {flag}, which is off (--no-{flag[2:]})")
+
+
 def run(args) -> int:
+    _refuse_what_cannot_apply(args)
     sizes = args.sizes or ((256, 1024) if args.quick else (1024, 4096))
     rounds = args.rounds if args.rounds is not None else (2 if args.quick else 5)
+    given = {n: getattr(args, n) for n in ("layer_contenders", "layer_shape", "memory_max_dense_n", "settle")
+             if getattr(args, n) is not None}  # the others take BenchConfig's defaults
     cfg = BenchConfig(
         sizes=sizes, causal=args.causal, batch=args.batch, heads=args.heads,
         head_dim=args.head_dim, dtype=args.dtype, threads=args.threads, block_q=args.block_q,
         block_k=args.block_k, rounds=rounds, contenders=args.contenders,
-        memory=args.memory, timing=args.timing, memory_max_dense_n=args.memory_max_dense_n, layer=args.layer,
-        layer_contenders=args.layer_contenders, layer_shape=args.layer_shape, settle=args.settle,
+        memory=args.memory, timing=args.timing, layer=args.layer, **given,
     )
     result = run_bench(cfg)
     print(json.dumps(result.to_json(), indent=2) if args.json else format_bench(result))
