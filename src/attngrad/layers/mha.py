@@ -59,7 +59,7 @@ def check_size(name: str, value, *, optional: bool = False) -> int | None:
         return None
     if isinstance(value, bool | np.bool_) or not isinstance(value, int | np.integer):
         want = "a positive integer" + (" or None" if optional else "")
-        raise TypeError(f"{name} must be {want}; got {value!r} ({type(value).__name__})")
+        raise TypeError(f"{name} must be {want}; got {value!r:.60} ({type(value).__name__})")
     if value < 1:
         raise ValueError(f"{name} must be a positive integer; got {value!r}")
     return int(value)
@@ -345,9 +345,9 @@ def check_dtype(dtype) -> np.dtype:
         if dtype is None:
             raise TypeError
         dt = np.dtype(dtype)
-    except TypeError as exc:
+    except (TypeError, ValueError) as exc:
         raise TypeError(f"dtype must be a real floating NumPy dtype (float16, float32 or "
-                        f"float64); got {dtype!r}") from exc
+                        f"float64); got {dtype!r:.60}") from exc
     if dt.kind != "f" or dt.itemsize > 8:
         raise TypeError(f"dtype must be a real floating NumPy dtype (float16, float32 or "
                         f"float64); got {dt.name}")
