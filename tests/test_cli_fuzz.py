@@ -23,8 +23,7 @@ TIMEOUT = 60  # seconds: every refusal comes long before this
 # Arguments put first, so that a bad set that were wrongly accepted would finish quickly
 # (argparse: a later option overrides an earlier one).
 TRAIN_BASE = ["--steps", "2", "--warmup", "0", "--eval-size", "2", "--batch-size", "2", "--no-plots", "--quiet"]
-BENCH_BASE = ["--sizes", "8", "--rounds", "1", "--no-memory", "--no-layer", "--settle", "0",
-              "--contenders", "attngrad_dense"]
+BENCH_BASE = ["--sizes", "8", "--no-memory", "--no-layer", "--contenders", "attngrad_dense"]
 
 # (command, bad options); "{tmp}" is a fresh folder, "{file}" an existing regular file.
 BAD = [
@@ -78,6 +77,8 @@ BAD = [
     ("train", ["--out", "{tmp}/empty", "--resume"]),
     ("train", ["--out", "{tmp}/run", "--resume", "{tmp}/no-such-ckpt.npz"]),
     ("train", []),  # --out is required
+    ("train", ["--context", "32", "--out", "{tmp}/run"]),  # a --data option without --data
+    ("train", ["--data", "{file}", "--task", "sort", "--out", "{tmp}/run"]),  # a toy-task option with --data
     # bench
     ("bench", ["--threads", "-1"]),
     ("bench", ["--threads", "0"]),

@@ -122,7 +122,7 @@ def build_config(args) -> TrainConfig:
     if given.get("data") is not None and "model" not in given and args.resume is None:
         given["model"] = "decoder"  # --data: a decoder-only language model
     if args.resume is None:
-        return TrainConfig.from_flat(given)
+        return _refuse_what_cannot_apply(TrainConfig.from_flat(given), given)
     stored = stored_config(resolve_resume(args.out, args.resume))
     clash = [n for n, v in given.items() if n not in RESUMABLE and stored.get(n) != v]
     if clash:
@@ -130,7 +130,21 @@ def build_config(args) -> TrainConfig:
             "--resume continues the stored run; these options differ from the checkpoint: "
             + ", ".join(f"{n}={given[n]!r} (checkpoint: {stored.get(n)!r})" for n in clash)
         )
-    return TrainConfig.from_flat({**stored, **given})
+    return _refuse_what_cannot_apply(TrainConfig.from_flat({**stored, **given}), given)
+
+
+# Options of the toy tasks and of --data: given for the other kind of run, they cannot apply.
+TASK_ONLY = ("task", "symbols", "min_len", "max_len")
+DATA_ONLY = ("context", "val_fraction")
+
+
+def _refuse_what_cannot_apply(cfg: TrainConfig, given: dict) -> TrainConfig:
+    moot = [n for n in (TASK_ONLY if cfg.data is not None else DATA_ONLY) if n in given]
+    if moot:
+        flags = ", ".join("--" + n.replace("_", "-") for n in moot)
+        raise ValueError(f"{flags} cannot apply: " + ("the run trains on --data, not on a toy task"
+                                                      if cfg.data is not None else "they apply to --data FILE.txt runs only"))
+    return cfg
 
 
 def run(args) -> int:
