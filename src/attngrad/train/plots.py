@@ -34,6 +34,14 @@ def _pyplot():
     return plt
 
 
+def _plain_log_ticks(ax) -> None:
+    """Log-scale y ticks written as plain numbers (2, 3, 5), not as 2 x 10^0."""
+    from matplotlib.ticker import FuncFormatter
+
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+
+
 def plot_loss_curve(records: list, png) -> Path:
     """Training loss per step (raw and smoothed) with the held-out metric: exact match for
     the toy tasks; for a text run (--data) validation loss, the unigram baseline and, in a
@@ -51,6 +59,7 @@ def plot_loss_curve(records: list, png) -> Path:
         smooth = np.convolve(loss, np.ones(k) / k, mode="valid")
         ax.plot(steps[k - 1 :], smooth, color="tab:blue", lw=1.5, label=f"training loss (mean of {k})")
     ax.set_yscale("log")
+    _plain_log_ticks(ax)
     ax.set_xlabel("step")
     ax.grid(True, which="both", alpha=0.25)
     if val:
@@ -65,6 +74,7 @@ def plot_loss_curve(records: list, png) -> Path:
         ax2 = axes[0][1]
         ax2.plot([r["step"] for r in val], [r["val_ppl"] for r in val], "o-", color="tab:orange")
         ax2.set_yscale("log")
+        _plain_log_ticks(ax2)
         ax2.set_xlabel("step")
         ax2.set_ylabel("validation perplexity exp(loss)")
         ax2.set_title(f"Validation perplexity (last {val[-1]['val_ppl']:.2f})")
