@@ -427,7 +427,7 @@ def test_one_scale_rule_for_every_entry_point(entry):
 
 
 def test_jacobian_module_errors_name_the_argument():
-    from attngrad.jacobian import jacobian_to_columns, mha_hvp, mha_jvp
+    from attngrad.jacobian import jacobian_to_columns, mha_hvp, mha_jacobian, mha_jvp, sdpa_jacobian
 
     with pytest.raises(TypeError, match=r"tangents must be a mapping from parameter or input names to arrays .*; got list"):
         mha_jvp(PARAMS, X, tangents=[1], num_heads=2)
@@ -444,3 +444,41 @@ def test_jacobian_module_errors_name_the_argument():
         jacobian_to_columns([1.0], "query")
     with pytest.raises(ValueError, match=r"wrt must be an input \('query', 'key', 'value'\) or a parameter name .*; got 'W_z'"):
         jacobian_to_columns(np.ones((1, 2, 3, 4, 5)), "W_z")
+    with pytest.raises(ValueError, match=r"wrt must be one of q, k, v; got array"):
+        sdpa_jacobian(Q, K, V, np.ones(3))
+    with pytest.raises(ValueError, match=r"wrt must be one of query, key, value, W_q, .*; got \['W_q'\]"):
+        mha_jacobian(PARAMS, X, wrt=["W_q"], num_heads=2)
+    with pytest.raises(ValueError, match=r"convention must be one of row, column; got array"):
+        mha_jacobian(PARAMS, X, wrt="W_q", convention=np.ones(2), num_heads=2)
+    with pytest.raises(ValueError, match=r"query has feature size 5 but W_q expects 8"):
+        mha_jvp(PARAMS, X[..., :5], num_heads=2)
+    with pytest.raises(TypeError, match=r"query must be a NumPy array; got NoneType"):
+        mha_jvp(PARAMS, None, num_heads=2)
+    with pytest.raises(TypeError, match=r"params must be a mapping of arrays; got Tensor"):
+        mha_jacobian(pytest.importorskip("torch").ones(3), X, wrt="W_q", num_heads=2)
+
+
+def test_jacobian_tools_refuse_parameters_they_do_not_model():
+    """Learned sinks, ALiBi slopes and QK-norm weights are not in (M1)-(M4): refused, never
+    silently ignored (a Jacobian without them would be wrong)."""
+    from attngrad.jacobian import mha_hvp, mha_jacobian, mha_jvp
+
+    p = {**PARAMS, "sinks": np.zeros(2)}
+    for call in (lambda: mha_jvp(p, X, num_heads=2), lambda: mha_jacobian(p, X, wrt="W_q", num_heads=2),
+                 lambda: mha_hvp(p, X, cotangent=np.ones((B, LQ, E)), num_heads=2)):
+        with pytest.raises(ValueError, match=r"params has \['sinks'\]: the Jacobian tools model the plain layer"):
+            call()
+    pytest.importorskip("torch")
+    with pytest.raises(ValueError, match=r"params has \['sinks'\], which torch.nn.MultiheadAttention has no place for"):
+        params_to_torch(p)
+
+
+def test_mha_hvp_takes_none_as_a_zero_tangent():
+    from attngrad.jacobian import mha_hvp
+
+    g = np.random.default_rng(1).standard_normal((B, LQ, E))
+    t = np.random.default_rng(2).standard_normal(PARAMS["W_q"].shape)
+    a = mha_hvp(PARAMS, X, tangents={"W_q": t, "query": None, "W_o": None}, cotangent=g, num_heads=2)
+    b = mha_hvp(PARAMS, X, tangents={"W_q": t}, cotangent=g, num_heads=2)
+    for n in a.hvp:
+        np.testing.assert_array_equal(a.hvp[n], b.hvp[n])

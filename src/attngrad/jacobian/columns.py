@@ -42,9 +42,9 @@ def jacobian_to_columns(jac, wrt: str):
     Output axes become (B, E_out, Lq); an input's axes (B, L, E) become (B, E, L); a
     weight's (in, out) become (out, in); a bias keeps its one axis."""
     inputs = ("query", "key", "value")
-    if wrt not in (*inputs, *WEIGHTS, *BIASES):
+    if not isinstance(wrt, str) or wrt not in (*inputs, *WEIGHTS, *BIASES):
         raise ValueError(f"wrt must be an input {inputs} or a parameter name {WEIGHTS + BIASES}; "
-                         f"got {wrt!r}")
+                         f"got {wrt!r:.80}")
     ndim = 3 + (3 if wrt in inputs else 2 if wrt in WEIGHTS else 1)
     layout = {3: "(B, L, E)", 2: "(in, out)", 1: "(out,)"}[ndim - 3]
     if not isinstance(jac, np.ndarray) or jac.ndim != ndim:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..layers.mha import check_param_arrays
 from .columns import jacobian_to_columns, params_from_columns, to_rows
 from .jvp import (
     _f64,
@@ -35,9 +36,14 @@ def _jacobian_from_jvp(jvp_of, shape: tuple, out_shape: tuple, chunk: int):
     return np.reshape(jac, out_shape + shape)
 
 
+def _check_choice(name: str, value, choices: tuple) -> None:
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(str, choices))}; got {value!r:.80}")
+
+
 def _check_chunk(chunk):
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-        raise ValueError(f"chunk must be a positive integer; got {chunk!r}")
+        raise ValueError(f"chunk must be a positive integer; got {chunk!r:.60}")
 
 
 def sdpa_jacobian(q, k, v, wrt: str = "q", *, method: str = "closed", chunk: int = 256, mask=None,
@@ -46,10 +52,8 @@ def sdpa_jacobian(q, k, v, wrt: str = "q", *, method: str = "closed", chunk: int
 
     ``method="closed"`` (default) writes the nonzero blocks of the Jacobian directly
     (J6)-(J8); ``method="jvp"`` pushes every basis direction through the JVP (J1)-(J3)."""
-    if wrt not in SDPA_ARGS:
-        raise ValueError(f"wrt must be one of {', '.join(SDPA_ARGS)}; got {wrt!r}")
-    if method not in ("closed", "jvp"):
-        raise ValueError(f"method must be 'closed' or 'jvp'; got {method!r}")
+    _check_choice("wrt", wrt, SDPA_ARGS)
+    _check_choice("method", method, ("closed", "jvp"))
     _check_chunk(chunk)
     _, allowed, s = attention_structure(q, k, v, mask=mask, key_lengths=key_lengths,
                                         key_mask=key_mask, causal=causal, scale=scale)
@@ -115,10 +119,8 @@ def mha_jacobian(params, query, key=None, value=None, *, wrt: str = "query", con
     returned in that convention too.  ``method="closed"`` (default) writes the Jacobian
     w.r.t. a parameter directly (J9); inputs, and ``method="jvp"``, use the JVPs.
     """
-    if method not in ("closed", "jvp"):
-        raise ValueError(f"method must be 'closed' or 'jvp'; got {method!r}")
-    if convention not in ("row", "column"):
-        raise ValueError(f"convention must be 'row' or 'column'; got {convention!r}")
+    _check_choice("method", method, ("closed", "jvp"))
+    _check_choice("convention", convention, ("row", "column"))
     _check_chunk(chunk)
     if convention == "column":
         params = params_from_columns(params)
@@ -126,16 +128,15 @@ def mha_jacobian(params, query, key=None, value=None, *, wrt: str = "query", con
                              ((query, "query"), (key, "key"), (value, "value")))
         jac = mha_jacobian(params, query, key, value, wrt=wrt, method=method, chunk=chunk, **kwargs)
         return jacobian_to_columns(jac, wrt)
+    check_param_arrays(params)
     inputs = {"query": query, "key": key, "value": value}
+    _check_choice("wrt", wrt, (*inputs, *params))
     if wrt in inputs:
         arg = inputs[wrt]
         if arg is None:
             raise ValueError(f"wrt={wrt!r} but no {wrt} input was given")
-    elif wrt in params:
-        arg = params[wrt]
     else:
-        raise ValueError(f"wrt must be an input (query, key, value) or one of the parameters "
-                         f"{sorted(params)}; got {wrt!r}")
+        arg = params[wrt]
     _f64(wrt, arg)
     base = layer_jvp_parts(params, query, key, value, **kwargs)
     if method == "closed" and wrt in params:

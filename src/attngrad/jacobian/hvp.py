@@ -23,16 +23,14 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..layers.mha import check_params
 from ..ops import merge_heads, split_heads, weight_grad
 from .jvp import (
-    SOURCE_ROLES,
     AttnJVP,
     _f64,
     attention_jvp_parts,
     attention_structure,
+    check_layer,
     layer_jvp_parts,
-    layer_sources,
 )
 
 
@@ -104,6 +102,8 @@ class LayerSecondOrder(NamedTuple):
 def _one_direction(tangents, params, inputs) -> None:
     """mha_hvp takes one direction: every tangent has exactly its array's shape."""
     for name, t in (tangents or {}).items():
+        if t is None:
+            continue  # None = 0
         like = params[name] if name in params else inputs[name]
         if t.shape != like.shape:
             raise ValueError(
@@ -119,11 +119,12 @@ def mha_hvp(params, query, key=None, value=None, *, tangents=None, cotangent=Non
     """Gradient and Hessian-vector product of L = ⟨G, Y⟩ or ½‖Y − T‖² for the layer,
     w.r.t. all parameters and inputs jointly.  ``tangents`` is the direction: a dict with
     some of the parameter names and "query"/"key"/"value" (missing = 0)."""
-    H, _, _, _ = check_params(params, num_heads, num_kv_heads)
+    H, _, roles, _ = check_layer(params, query, key, value, num_heads, num_kv_heads)
     r = layer_jvp_parts(params, query, key, value, tangents=tangents, num_heads=num_heads, num_kv_heads=num_kv_heads,
                         mask=mask, key_lengths=key_lengths, key_mask=key_mask, causal=causal, scale=scale)
-    _one_direction(tangents, params, dict(zip(SOURCE_ROLES, (query, key, value), strict=True)))
-    tparams = {n: (tangents or {}).get(n, np.zeros_like(a)) for n, a in params.items()}
+    _one_direction(tangents, params, {"query": query, "key": key, "value": value})
+    given = dict(tangents or {})
+    tparams = {n: np.zeros_like(a) if given.get(n) is None else given[n] for n, a in params.items()}
     dy, tdy = _loss_grad(r.y, r.ty, cotangent, target, "layer output")  # (H7)
     g, t = {}, {}
     g["W_o"], t["W_o"] = weight_grad(np, r.context, dy), weight_grad(np, r.tcontext, dy) + weight_grad(np, r.context, tdy)  # (M5) (H8)
@@ -133,7 +134,6 @@ def mha_hvp(params, query, key=None, value=None, *, tangents=None, cotangent=Non
     dc = dy @ wo.T  # (M5) (B, Lq, H*Dv)
     tdc = tdy @ wo.T + dy @ tparams["W_o"].T  # (H8)
     a = attention_backward_jvp(r.attn, split_heads(np, dc, H), split_heads(np, tdc, H))  # (M6) (H1)-(H6)
-    roles, _ = layer_sources(query, key, value)
     for n, role, x, tx in zip("qkv", roles, r.sources, r.tsources, strict=True):
         dproj, tdproj = merge_heads(np, a.grads[n]), merge_heads(np, a.hvp[n])  # dQ, d(dQ)' (B, L, heads*D)
         w = params[f"W_{n}"]

@@ -23,7 +23,7 @@ import numpy as np
 from ..core._xp import check_scale
 from ..core.masks import make_mask_spec
 from ..core.sdpa import masked_softmax, validate_qkv
-from ..layers.mha import check_params
+from ..layers.mha import BIASES, WEIGHTS, check_inputs, check_params
 from ..ops import merge_heads, project, split_heads
 
 
@@ -133,12 +133,21 @@ class LayerJVP(NamedTuple):
 SOURCE_ROLES = ("query", "key", "value")
 
 
-def layer_sources(query, key, value):
-    """Which argument feeds the query, key and value projections (as mha_forward)."""
-    k_role = "query" if key is None else "key"
-    v_role = k_role if value is None else "value"
-    given = {"query": query, "key": key, "value": value}
-    return ("query", k_role, v_role), tuple(given[r] for r in ("query", k_role, v_role))
+def check_layer(params, query, key, value, num_heads, num_kv_heads) -> tuple:
+    """The layer's checks (as mha_forward) plus the Jacobian tools' own: float64 NumPy, and
+    only the parameters (M1)-(M4) model.  Returns (H, Hkv, roles, (X_q, X_k, X_v))."""
+    H, Hkv, _, _ = check_params(params, num_heads, num_kv_heads)
+    other = sorted(set(params) - set(WEIGHTS + BIASES))
+    if other:
+        raise ValueError(
+            f"params has {other}: the Jacobian tools model the plain layer (M1)-(M4), with "
+            f"weights {list(WEIGHTS)} and biases {list(BIASES)} only"
+        )
+    for name, a in (("query", query), ("key", key), ("value", value), *params.items()):
+        if a is not None or name == "query":
+            _f64(name, a)
+    roles, srcs = check_inputs(params, query, key, value)
+    return H, Hkv, roles, srcs
 
 
 def _x_dw(x, tw):
@@ -161,11 +170,7 @@ def layer_jvp_parts(params, query, key=None, value=None, *, tangents=None, num_h
             f"got {type(tangents).__name__}"
         )
     tangents = dict(tangents or {})
-    H, Hkv, _, _ = check_params(params, num_heads, num_kv_heads)
-    roles, srcs = layer_sources(query, key, value)
-    for name, a in (*zip(SOURCE_ROLES, (query, key, value), strict=True), *params.items()):
-        if a is not None:
-            _f64(name, a)
+    H, Hkv, roles, srcs = check_layer(params, query, key, value, num_heads, num_kv_heads)
     unknown = sorted(set(tangents) - set(params) - {r for r in SOURCE_ROLES if r in roles})
     if unknown:
         raise ValueError(f"tangents has keys {unknown} that are neither parameters nor inputs given; "

@@ -128,6 +128,12 @@ def params_to_torch(params) -> dict:
             "torch.nn.MultiheadAttention has no QK-norm: params with q_norm_w / k_norm_w "
             "cannot be exported to it"
         )
+    other = sorted(set(params) - set(WEIGHTS + BIASES))
+    if other:
+        raise ValueError(
+            f"params has {other}, which torch.nn.MultiheadAttention has no place for; it takes "
+            f"{list(WEIGHTS)} and {list(BIASES)} only"
+        )
     check_float_dtypes(dict(params))
     wq, wk, wv, wo = (_np(params[w]) for w in WEIGHTS)
     e = wq.shape[0]
