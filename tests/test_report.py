@@ -257,3 +257,21 @@ def test_run_report_renders_in_chromium(tmp_path):
     err, events, dom = _chromium(page_path, tmp_path)
     assert _console(err) == [] and _page_requests(events) == []
     assert "Attention maps as training goes" in dom
+
+
+def test_report_without_torch_or_graphviz_says_so(tmp_path, capsys, monkeypatch):
+    import attngrad.check.runner as runner
+    import attngrad.check.torch_reference as tref
+    import attngrad.report.flavor as flavor_mod
+
+    monkeypatch.setattr(runner, "torch_available", lambda: None)
+    monkeypatch.setattr(tref, "torch_available", lambda: None)
+    monkeypatch.setattr(flavor_mod.shutil, "which", lambda name: None)
+    monkeypatch.setattr("attngrad.cli.report.shutil.which", lambda name: None)
+    out = tmp_path / "r.html"
+    assert main(["report", "--flavor", "self", "-o", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "pip install 'attngrad[torch]'" in err and "apt-get install graphviz" in err
+    html = out.read_text()
+    assert "torch autograd" not in html and "finite differences" in html and "all passed" in html
+    assert "is not installed, so the graph is not drawn" in html
