@@ -92,10 +92,15 @@ def judge(names, dtype: str, ref: Result, got: Result, plain: Result | None,
     """(verdict, reason, errors) of ``got`` for the tensors ``names``."""
     if got.refused and got.out is None:
         return REFUSED, got.refused, {}
-    if got.grads is None:  # forward only: report how the forward did
-        why = _structural(["out"], ref, got)
-        fwd = why or f"forward matched (rel err {relative_error(got.out, ref.out):.1e})"
-        return REFUSED, f"{got.refused}; {fwd}", {}
+    if got.grads is None:  # forward only: judge the forward by the same rule, report it
+        verdict, why, errors = judge(["out"], dtype, ref, Result(got.out, {}), plain,
+                                     rtol=rtol, factor=factor)
+        if verdict == PASS:
+            e = errors["out"]
+            why = f"forward passes (rel err {e.err:.1e} <= {e.allowed:.1e})"
+        else:
+            why = f"forward FAILS: {why}"
+        return REFUSED, f"{got.refused}; {why}", errors
     why = _structural(names, ref, got)
     if why:
         return FAIL, why, {}
