@@ -37,7 +37,8 @@ def entries(cfg: CheckConfig, flavor: str) -> int:
     ekv = e // h * hkv  # K and V projection widths under grouped-query attention
     params = e * e * 2 + e * ekv * 2 + ((e * 2 + ekv * 2) if cfg.bias else 0)
     inputs = cfg.batch * lq * e + (cfg.batch * lk * e if flavor == "cross" else 0)
-    return params + inputs
+    learned = {"sinks": h, "alibi": h + h * lq * lk, "scale": 1}  # sinks, slopes + Bias, scale (V1-V7)
+    return params + inputs + sum(learned.get(v, 0) for v in cfg.variants)
 
 
 def _forward_flops(cfg: CheckConfig, flavor: str) -> float:

@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..core.dropout import dropout_mask
 from ..core.masks import CAUSAL_ALIGNMENTS
 from ..layers.mha import init_mha_params, mha_forward
 
@@ -21,6 +22,12 @@ QK_NORM_EPS = 1e-6
 MASK_KINDS = ("padding", "random", "causal")
 DTYPES = ("float64", "float32")
 DEFAULT_LK = 7
+# Today's variants (docs/equations.md, V1-V7), each switched on by name (`check --variant`)
+VARIANTS = ("sinks", "softcap", "alibi", "window", "segments", "dropout", "scale")
+SOFTCAP = 1.0  # c of (V1): small enough that tanh bends the logits of the small cases
+WINDOW = (2, 1)  # (left, right) of (V5)
+DROPOUT_P = 0.3  # (V3)
+SEGMENTS = 3  # packed documents per row (V6): ids drawn in 0 .. SEGMENTS-1, sorted
 
 FLAVOR_TITLES = {
     "self": "encoder self-attention  f(X)",
@@ -54,6 +61,7 @@ class CheckConfig:
     extra: dict = field(default_factory=dict)
     rope: bool = False  # rotary positions on the per-head queries and keys (R1-R5)
     qk_norm: str | None = None  # None, "rms" or "layer": per-head QK-norm (QN1-QN6)
+    variants: tuple = ()  # some of VARIANTS: the options of sdpa_forward the cases switch on
 
     def __post_init__(self):
         for f in self.flavors:
@@ -87,6 +95,11 @@ class CheckConfig:
                 f"rope rotates pairs of features: the head dim width/heads = "
                 f"{self.width // self.heads} must be even"
             )
+        for name in self.variants:
+            if name not in VARIANTS:
+                raise ValueError(f"variant must be some of {', '.join(VARIANTS)} or all; got {name!r}")
+        if len(set(self.variants)) != len(self.variants):
+            raise ValueError(f"variants must not repeat; got {', '.join(self.variants)}")
         self._refuse_what_cannot_apply()
 
     def _refuse_what_cannot_apply(self) -> None:
@@ -135,6 +148,20 @@ class MaskData(NamedTuple):
     causal: str | None  # None, "top_left" or "bottom_right"
 
 
+class VariantData(NamedTuple):
+    """The variants' options as plain data (V1-V7); each reference builds its logits from it.
+    Learned sink logits and ALiBi slopes are parameters (params["sinks"], params["alibi_slopes"]),
+    an additive attention bias and a learned scale are inputs (inputs["Bias"], inputs["scale"])."""
+
+    softcap: float | None = None  # c of (V1)
+    window: tuple | None = None  # (left, right) of (V5)
+    q_segment_ids: np.ndarray | None = None  # (B, Lq) ints (V6)
+    kv_segment_ids: np.ndarray | None = None  # (B, Lk) ints (V6)
+    dropout_p: float = 0.0  # (V3)
+    dropout_seed: int | None = None
+    dropout_keep: np.ndarray | None = None  # (B, H, Lq, Lk) bool: attngrad.dropout_mask's Z (V3)
+
+
 class Case(NamedTuple):
     flavor: str
     params: dict  # W_q, W_k, W_v, W_o (+ b_q, b_k, b_v, b_o)
@@ -145,6 +172,7 @@ class Case(NamedTuple):
     num_kv_heads: int
     rope: bool = False  # RoPE (rotate-half, base 10000, positions 0 .. L-1) on q and k
     qk_norm: str | None = None  # QK-norm kind; weights params["q_norm_w"], params["k_norm_w"]
+    variants: VariantData = VariantData()  # V1-V7 options (learned ones in params and inputs)
 
     def lengths(self) -> tuple[int, int]:
         x = self.inputs["X"]
@@ -166,6 +194,15 @@ class Case(NamedTuple):
             rope=self.rope or None,
             qk_norm=self.qk_norm,
             qk_norm_eps=QK_NORM_EPS,
+            bias=inputs.get("Bias"),
+            scale=None if "scale" not in inputs else float(inputs["scale"]),
+            scale_grad="scale" in inputs,
+            softcap=self.variants.softcap,
+            window=self.variants.window,
+            q_segment_ids=self.variants.q_segment_ids,
+            kv_segment_ids=self.variants.kv_segment_ids,
+            dropout_p=self.variants.dropout_p,
+            dropout_seed=self.variants.dropout_seed,
         )
 
 
@@ -197,7 +234,35 @@ def build_case(flavor: str, cfg: CheckConfig) -> Case:
         d = e // cfg.heads
         params["q_norm_w"] = (1.0 + 0.3 * rng.standard_normal(d)).astype(dt)
         params["k_norm_w"] = (1.0 + 0.3 * rng.standard_normal(d)).astype(dt)
+    variants = _draw_variants(rng, cfg, params, inputs, lq, lk, dt) if cfg.variants else VariantData()
     return Case(
         flavor, params, inputs, upstream, MaskData(key_lengths, mask, causal), cfg.heads, cfg.num_kv_heads,
-        cfg.rope, cfg.qk_norm,
+        cfg.rope, cfg.qk_norm, variants,
+    )
+
+
+def _draw_variants(rng, cfg: CheckConfig, params: dict, inputs: dict, lq: int, lk: int, dt) -> VariantData:
+    """The variants' values, drawn after everything else (the other arrays do not depend on
+    them).  Learned sinks and slopes go into ``params``, the attention bias (with ALiBi:
+    both are added to the capped logits) and a learned scale into ``inputs``."""
+    b, h, on = cfg.batch, cfg.heads, set(cfg.variants)
+    if "sinks" in on:
+        params["sinks"] = rng.standard_normal(h).astype(dt)  # (H,) (V2)
+    if "alibi" in on:
+        params["alibi_slopes"] = rng.uniform(0.1, 1.0, h).astype(dt)  # (H,) (V4)
+        inputs["Bias"] = (0.5 * rng.standard_normal((1, h, lq, lk))).astype(dt)  # broadcast over B (A10)
+    if "scale" in on:
+        d = cfg.width // cfg.heads
+        inputs["scale"] = np.asarray(rng.uniform(0.5, 1.5) / np.sqrt(d), dtype=dt)  # 0-d (V7)
+    q_seg = kv_seg = None
+    if "segments" in on:
+        q_seg = np.sort(rng.integers(0, SEGMENTS, size=(b, lq)), axis=1)  # (B, Lq)
+        kv_seg = q_seg.copy() if lq == lk and "M" not in inputs else np.sort(rng.integers(0, SEGMENTS, size=(b, lk)), axis=1)
+    p, seed, keep = 0.0, None, None
+    if "dropout" in on:
+        p, seed = DROPOUT_P, int(rng.integers(0, 2**32))
+        keep = dropout_mask(seed, (b, h, lq, lk), p)  # (B, H, Lq, Lk): the library's Z, as data
+    return VariantData(
+        SOFTCAP if "softcap" in on else None, WINDOW if "window" in on else None, q_seg, kv_seg,
+        p, seed, keep,
     )

@@ -11,6 +11,10 @@ PRETTY = {
     **{f"{p}_{s}": f"dL/d{p}^{s.upper()}" for p in ("W", "b") for s in "qkvo"},
     "q_norm_w": "dL/dw^Qn",
     "k_norm_w": "dL/dw^Kn",
+    "sinks": "dL/dsinks",
+    "alibi_slopes": "dL/dslopes",
+    "Bias": "dL/dBias",
+    "scale": "dL/dscale",
 }
 
 
@@ -31,7 +35,30 @@ def _describe(report: CheckReport, flavor: str) -> str:
         f"{'with' if cfg.bias else 'no'} biases, {cfg.dtype}, masks: {', '.join(masks) or 'none'}"
         + (", RoPE (rotate-half, positions 0..L-1)" if cfg.rope else "")
         + (f", QK-norm {cfg.qk_norm}" if cfg.qk_norm else "")
+        + (f", variants: {_variants(case)}" if cfg.variants else "")
     )
+
+
+def _variants(case) -> str:
+    """The variants of a case in words (V1-V7)."""
+    v, on = case.variants, []
+    if "sinks" in case.params:
+        on.append("learned sinks")
+    if v.softcap is not None:
+        on.append(f"softcap {v.softcap:g}")
+    if "alibi_slopes" in case.params:
+        on.append("learned ALiBi slopes + attention bias (1,H,Lq,Lk)")
+    if v.window is not None:
+        on.append(f"window {v.window}")
+    if v.q_segment_ids is not None:
+        on.append(f"segments {v.q_segment_ids.tolist()}" + (
+            "" if v.kv_segment_ids.shape == v.q_segment_ids.shape and (v.kv_segment_ids == v.q_segment_ids).all()
+            else f" / keys {v.kv_segment_ids.tolist()}"))
+    if v.dropout_keep is not None:
+        on.append(f"dropout p={v.dropout_p:g} seed={v.dropout_seed}")
+    if "scale" in case.inputs:
+        on.append(f"learned scale {float(case.inputs['scale']):.4g}")
+    return ", ".join(on)
 
 
 def format_report(report: CheckReport) -> str:
@@ -46,7 +73,7 @@ def format_report(report: CheckReport) -> str:
         for r in recs:
             shape = "(" + ",".join(map(str, r.shape)) + ")"
             lines.append(
-                f"{PRETTY.get(r.gradient, r.gradient):<9} {shape:<11} {r.reference:<19} "
+                f"{PRETTY.get(r.gradient, r.gradient):<9} {shape:<{11 - max(0, len(PRETTY.get(r.gradient, r.gradient)) - 9)}} {r.reference:<19} "
                 f"{r.max_abs_err:>11.2e} {r.max_rel_err:>11.2e}  {r.tolerance:<42} "
                 f"{'pass' if r.passed else 'FAIL'}"
             )
@@ -54,7 +81,7 @@ def format_report(report: CheckReport) -> str:
     cfg = report.config
     lines.append(
         "max rel err = max|a - r| / max(max|r|, 1e-4 * largest gradient of the flavor)"
-        + ("" if cfg.rope or cfg.qk_norm else
+        + ("" if cfg.rope or cfg.qk_norm or {"sinks", "softcap"} & set(cfg.variants) else
            "; dL/db^K is 0 in exact arithmetic (softmax ignores a shift of a whole score row)")
     )
     for note in report.notes:

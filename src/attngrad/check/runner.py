@@ -83,6 +83,7 @@ class CheckReport(NamedTuple):
                 "seed": cfg.seed,
                 "rope": cfg.rope,
                 "qk_norm": cfg.qk_norm,
+                "variants": list(cfg.variants),
             },
             "notes": list(self.notes),
             "records": [
@@ -118,6 +119,9 @@ def closed_form_gradients(case: Case) -> dict[str, np.ndarray]:
     grads = {"X": dinputs["query"], **dparams}
     if "M" in case.inputs:
         grads["M"] = dinputs["key"]
+    for name, key in (("Bias", "bias"), ("scale", "scale")):  # attention bias (A10), temperature (V7)
+        if name in case.inputs:
+            grads[name] = dinputs[key]
     return grads
 
 
@@ -232,7 +236,8 @@ def run_check(cfg: CheckConfig | None = None, *, progress=None) -> CheckReport:
         say(f"{flavor}: building the case and its closed-form gradients")
         case = build_case(flavor, cfg)
         grads = closed_form_gradients(case)
-        order = ["X", "M", "W_q", "W_k", "W_v", "W_o", "b_q", "b_k", "b_v", "b_o", "q_norm_w", "k_norm_w"]
+        order = ["X", "M", "W_q", "W_k", "W_v", "W_o", "b_q", "b_k", "b_v", "b_o", "q_norm_w", "k_norm_w",
+                 "sinks", "alibi_slopes", "Bias", "scale"]
         grads = {k: grads[k] for k in order if k in grads}
         if version is not None:
             say(f"{flavor}: torch autograd")

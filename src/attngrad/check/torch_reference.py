@@ -1,7 +1,9 @@
 """PyTorch autograd reference for ``attngrad check``.
 
 Independent of the library's forward: plain torch ops, and the mask structure built here
-from the case's plain data (index comparisons), not from ``attngrad.core.masks``.
+from the case's plain data (index comparisons), not from ``attngrad.core.masks``.  The
+variants (V1-V7) are formed here too, in FlashAttention's order; the dropout keep mask is
+the case's data (drawn by ``attngrad.dropout_mask``, the stream the library documents).
 """
 
 from __future__ import annotations
@@ -33,7 +35,21 @@ def _allowed(torch, case: Case, lq: int, lk: int):
         allowed = allowed & (torch.arange(lk)[None, :] <= torch.arange(lq)[:, None] + offset)
     if m.mask is not None:
         allowed = allowed & torch.as_tensor(m.mask)
+    var = case.variants
+    if var.window is not None:  # (V5) pos(i) - left <= j <= pos(i) + right
+        left, right = var.window
+        rel = torch.arange(lk)[None, :] - (torch.arange(lq)[:, None] + _offset(case, lq, lk))  # j - pos(i)
+        allowed = allowed & (rel >= -left) & (rel <= right)
+    if var.q_segment_ids is not None:  # (V6) same document only
+        qs, ks = torch.as_tensor(var.q_segment_ids), torch.as_tensor(var.kv_segment_ids)
+        allowed = allowed & (qs[:, :, None] == ks[:, None, :])[:, None]
     return allowed
+
+
+def _offset(case: Case, lq: int, lk: int) -> int:
+    """pos(i) = i + offset: the causal rule's alignment, bottom-right (FlashAttention's)
+    without one."""
+    return 0 if case.masks.causal == "top_left" else lk - lq
 
 
 def _norm(torch, x, w, kind: str):
@@ -67,7 +83,6 @@ def torch_gradients(case: Case) -> dict[str, np.ndarray]:
     mem = leaves.get("M", x)
     h, hkv = case.num_heads, case.num_kv_heads
     b, lq, _ = x.shape
-    lk = mem.shape[1]
 
     def proj(inp, w, bias, heads):
         y = inp @ leaves[w]
@@ -84,16 +99,43 @@ def torch_gradients(case: Case) -> dict[str, np.ndarray]:
         q, k = _rope(torch, q), _rope(torch, k)
     k = k.repeat_interleave(h // hkv, dim=1)  # (B, H, Lk, D)
     v = proj(mem, "W_v", "b_v", hkv).repeat_interleave(h // hkv, dim=1)  # (B, H, Lk, Dv)
-    s = (q @ k.transpose(-1, -2)) / np.sqrt(q.shape[-1])  # (B, H, Lq, Lk)
-    allowed = _allowed(torch, case, lq, lk)
-    row_any = allowed.any(dim=-1, keepdim=True)  # (B, H, Lq, 1)
-    # rows with nothing allowed: fill with 0 (finite), then zero the row after softmax
-    fill = torch.where(row_any, torch.tensor(-torch.inf, dtype=s.dtype), torch.tensor(0.0, dtype=s.dtype))
-    s = torch.where(allowed, s, fill)
-    p = torch.softmax(s, dim=-1) * row_any.to(s.dtype)  # (B, H, Lq, Lk)
+    p = _probabilities(torch, case, leaves, q, k)  # (B, H, Lq, Lk)
     o = (p @ v).transpose(1, 2).reshape(b, lq, -1)  # (B, Lq, H*Dv)
     y = o @ leaves["W_o"]
     if "b_o" in leaves:
         y = y + leaves["b_o"]
     (y * torch.tensor(case.upstream)).sum().backward()
-    return {k: t.grad.numpy() for k, t in leaves.items()}
+    # leaves that no path reaches (a learned scale whose every row is masked) have no .grad
+    return {k: (t.grad if t.grad is not None else torch.zeros_like(t)).numpy() for k, t in leaves.items()}
+
+
+def _probabilities(torch, case: Case, leaves: dict, q, k):
+    """P (after dropout) from the per-head q (B, H, Lq, D) and k (B, H, Lk, D), in the order
+    S = scale Q Kᵀ -> soft-cap -> + bias + ALiBi -> mask -> softmax with sinks -> dropout."""
+    b, h, lq, lk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    var = case.variants
+    scale = leaves["scale"] if "scale" in leaves else 1.0 / np.sqrt(q.shape[-1])
+    s = (q @ k.transpose(-1, -2)) * scale  # (B, H, Lq, Lk)
+    if var.softcap is not None:
+        s = var.softcap * torch.tanh(s / var.softcap)
+    if "Bias" in leaves:
+        s = s + leaves["Bias"]
+    if "alibi_slopes" in leaves:
+        pos = torch.arange(lq, dtype=s.dtype)[:, None] + _offset(case, lq, lk)
+        dist = (pos - torch.arange(lk, dtype=s.dtype)[None, :]).abs()  # (Lq, Lk)
+        s = s - leaves["alibi_slopes"][None, :, None, None] * dist
+    allowed = _allowed(torch, case, lq, lk)
+    row_any = allowed.any(dim=-1, keepdim=True)  # (B, H, Lq, 1)
+    if "sinks" in leaves:  # one more column, the sink's logit, that carries no value
+        s = torch.where(allowed, s, torch.tensor(-torch.inf, dtype=s.dtype))
+        sink = leaves["sinks"][None, :, None, None].expand(b, h, lq, 1)
+        p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :lk]
+    else:
+        # rows with nothing allowed: fill with 0 (finite), then zero the row after softmax
+        fill = torch.where(row_any, torch.tensor(-torch.inf, dtype=s.dtype), torch.tensor(0.0, dtype=s.dtype))
+        s = torch.where(allowed, s, fill)
+        p = torch.softmax(s, dim=-1) * row_any.to(s.dtype)  # (B, H, Lq, Lk)
+    if var.dropout_keep is not None:
+        p = p * torch.as_tensor(var.dropout_keep).to(p.dtype) / (1.0 - var.dropout_p)
+    return p
+

@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-from ..check import FLAVORS, MASK_KINDS, CheckConfig, format_report, run_check
+from ..check import FLAVORS, MASK_KINDS, VARIANTS, CheckConfig, format_report, run_check
 from ..check.budget import estimate
 from ..check.cases import DEFAULT_LK
 from ..check.torch_reference import torch_available
@@ -27,6 +27,19 @@ def _masks(text: str) -> tuple:
             f"expected 'none' or a comma list of {', '.join(MASK_KINDS)}; got {text!r}"
         )
     return kinds
+
+
+def parse_variants(text: str) -> tuple:
+    """``--variant``: 'all' or a comma list of VARIANTS (V1-V7), in VARIANTS' order."""
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    if names == ["all"]:
+        return VARIANTS
+    bad = [v for v in names if v not in VARIANTS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(
+            f"expected 'all' or a comma list of {', '.join(VARIANTS)}; got {text!r}"
+        )
+    return tuple(v for v in VARIANTS if v in names)
 
 
 def register(sub) -> None:
@@ -55,6 +68,9 @@ def register(sub) -> None:
     p.add_argument("--rope", action="store_true", help="rotary positions (RoPE, rotate-half) on the per-head queries and keys")
     p.add_argument("--qk-norm", nargs="?", const="rms", choices=["rms", "layer"], default=None,
                    help="per-head QK-norm with learned weights, rms (the default when given bare) or layer")
+    p.add_argument("--variant", type=parse_variants, default=(), metavar="NAMES",
+                   help=f"today's variants through the layer: 'all' or a comma list of {','.join(VARIANTS)} "
+                        "(learned sinks, ALiBi slopes with an attention bias, and scale are checked as parameters)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     p.set_defaults(func=run)
 
@@ -75,6 +91,7 @@ def run(args) -> int:
         seed=args.seed,
         rope=args.rope,
         qk_norm=args.qk_norm,
+        variants=args.variant,
     )
     budget = estimate(cfg, torch=torch_available() is not None)
     progress = None
