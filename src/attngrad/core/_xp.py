@@ -107,6 +107,13 @@ def compute_dtype(xp, dtype):
     return xp.float32
 
 
+def resolve_scale(scale, d: int) -> float:
+    """The one scale rule: None -> 1/sqrt(D) (1 when D = 0), else :func:`check_scale`."""
+    if scale is None:
+        return 1.0 / math.sqrt(d) if d else 1.0
+    return check_scale(scale)
+
+
 def check_scale(scale, name: str = "scale") -> float:
     """Any finite real number (0 and negative included) as a Python float.
 

@@ -19,9 +19,9 @@ from ._xp import (
     check_array,
     check_broadcast,
     check_float_dtypes,
-    check_scale,
     compute_dtype,
     dtype_name,
+    resolve_scale,
 )
 from .masks import MaskSpec, make_mask_spec
 
@@ -117,9 +117,7 @@ def make_problem(
     if bias is not None:
         check_array("bias", bias)
     dtype = check_float_dtypes({"q": q, "k": k, "v": v, "bias": bias})  # names a mixed-up argument
-    if scale is None:
-        scale = 1.0 / math.sqrt(sh.d) if sh.d else 1.0
-    scale = check_scale(scale)
+    scale = resolve_scale(scale, sh.d)
     full = (sh.batch, sh.heads, sh.lq, sh.lk)
     spec = make_mask_spec(
         xp, *full, mask=mask, key_lengths=key_lengths, key_mask=key_mask, causal=causal,

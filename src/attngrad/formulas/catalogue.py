@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..core._xp import resolve_scale
 from ..core.masks import make_mask_spec
 from .expr import (
     BatchSum,
@@ -268,7 +269,7 @@ def layer_env(flavor, params, x, m=None, g=None, *, num_heads, key_lengths=None,
     spec = make_mask_spec(np, B, num_heads, Lq, Lk, key_lengths=key_lengths, causal=flavor == "causal")
     allowed = spec.block(np)
     allowed = np.ones((1, 1, Lq, Lk), dtype=bool) if allowed is None else allowed
-    env = {"X": x, "G": g, "H": num_heads, "s": 1.0 / np.sqrt(D) if scale is None else float(scale), "mask": allowed}
+    env = {"X": x, "G": g, "H": num_heads, "s": resolve_scale(scale, D), "mask": allowed}
     if flavor == "cross":
         env["M"] = m
     env.update(params)
