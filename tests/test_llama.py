@@ -299,3 +299,30 @@ def test_train_config_llama_options():
         TrainConfig(model="llama", dropout=0.1)
     cfg = TrainConfig(model="llama", kv_heads=2, tie_embeddings=True, qk_norm="layer").model_config
     assert (cfg.num_kv_heads, cfg.tie_embeddings, cfg.qk_norm) == (2, True, "layer")
+
+
+def test_llama_run_resumes_bit_for_bit(tmp_path):
+    """A --model llama run stopped at a checkpoint and resumed equals the uninterrupted run."""
+    from attngrad.train.loop import Hooks, TrainConfig, train
+    from attngrad.train.optim import AdamWConfig
+
+    kw = dict(task="reverse", model="llama", batch_size=4, symbols=5, min_len=3, max_len=4, dim=8,
+              heads=2, kv_heads=1, ffn=12, layers=1, qk_norm="rms", tie_embeddings=True,
+              optim=AdamWConfig(warmup=2), eval_every=6, eval_size=4, ckpt_every=3, seed=1)
+    quiet = dict(progress=False, plots=False, log=lambda *a: None)
+    cfg = TrainConfig(steps=6, **kw)
+    full = train(cfg, tmp_path / "a", **quiet)
+
+    class Stop(Exception):
+        pass
+
+    def stop_at_4(step):  # a crash after step 4: the checkpoint of step 3 is the newest
+        if step == 4:
+            raise Stop
+
+    with pytest.raises(Stop):
+        train(cfg, tmp_path / "b", hooks=Hooks(after_step=stop_at_4), **quiet)
+    resumed = train(cfg, tmp_path / "b", resume="latest", **quiet)
+    assert full.params.keys() == resumed.params.keys()
+    for k, v in full.params.items():
+        assert v.tobytes() == resumed.params[k].tobytes(), k
