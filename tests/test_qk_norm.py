@@ -304,3 +304,42 @@ def test_printed_norm_formulas_evaluate_to_the_library(kind):
                      {"Y": y, "dX": tx.grad.numpy(), "dw": tw.grad.numpy()})
     np.testing.assert_allclose(env["dX"], dx, rtol=1e-12, atol=1e-13)
     np.testing.assert_allclose(env["dw"], dw, rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+@pytest.mark.parametrize("qk_norm", ["rms", "layer"])
+def test_with_softcap_sinks_and_window(layout, qk_norm):
+    """RoPE and QK-norm with the variants: soft-capped logits, learned sinks, a sliding
+    window (causal self-attention, GQA) against a torch build, and finite differences."""
+    rng = np.random.default_rng(17)
+    params, x, _, _, _, g = make_case("causal", layout, None, "default", 2, qk_norm, "none", 5)
+    params["sinks"] = rng.standard_normal(H)
+    n, cap, left = x.shape[1], 2.0, 2
+    kw = dict(num_heads=H, num_kv_heads=2, causal=True, rope={"layout": layout}, qk_norm=qk_norm,
+              qk_norm_eps=EPS, softcap=cap, window=(left, 0))
+    y, cache = mha_forward(params, x, **kw)
+    dins, dparams = mha_backward(g, cache)
+
+    leaves = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
+    tx = torch.tensor(x, requires_grad=True)
+
+    def proj(w, b, heads):
+        return (tx @ leaves[w] + leaves[b]).reshape(B, n, heads, -1).transpose(1, 2)
+
+    q, k, v = proj("W_q", "b_q", H), proj("W_k", "b_k", 2), proj("W_v", "b_v", 2)
+    q, k = t_norm(q, leaves["q_norm_w"], qk_norm), t_norm(k, leaves["k_norm_w"], qk_norm)
+    q, k = t_rope(q, np.arange(n), None, 10000.0, layout), t_rope(k, np.arange(n), None, 10000.0, layout)
+    k, v = k.repeat_interleave(H // 2, dim=1), v.repeat_interleave(H // 2, dim=1)
+    s = cap * torch.tanh((q @ k.transpose(-1, -2)) / np.sqrt(D) / cap)  # (B, H, L, L)
+    i, j = np.arange(n)[:, None], np.arange(n)[None, :]
+    allowed = torch.as_tensor((j <= i) & (j >= i - left))
+    s = torch.where(allowed, s, torch.tensor(-torch.inf, dtype=s.dtype))
+    sink = leaves["sinks"][None, :, None, None].expand(B, H, n, 1)
+    p = torch.softmax(torch.cat((s, sink), dim=-1), dim=-1)[..., :n]
+    ty = (p @ v).transpose(1, 2).reshape(B, n, -1) @ leaves["W_o"] + leaves["b_o"]
+    (ty * torch.tensor(g)).sum().backward()
+    ref = {"y": ty.detach().numpy(), "X": tx.grad.numpy(), **{k: t.grad.numpy() for k, t in leaves.items()}}
+    assert_close_rel({"y": y, "X": dins["query"], **dparams}, ref)
+    for name in ("q_norm_w", "k_norm_w", "sinks"):
+        directional_check(lambda val, nm=name: float(np.sum(mha_forward({**params, nm: val}, x, **kw)[0] * g)),
+                          params[name], dparams[name], rng, n_dirs=2, what=name)
