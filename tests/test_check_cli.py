@@ -131,8 +131,8 @@ def test_options_that_apply_are_taken():
 
 
 def _large():
-    # 2 x 300 x 8 entries in X alone: more than FULL_FD_MAX, so random directions
-    return CheckConfig(flavors=("self",), lq=300, masks=())
+    # 2 x 100 x 8 entries in X alone: more than FULL_FD_MAX, so random directions
+    return CheckConfig(flavors=("self",), lq=100, masks=())
 
 
 def test_a_large_case_is_checked_along_random_directions():
