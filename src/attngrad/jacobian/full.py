@@ -47,25 +47,33 @@ def _check_chunk(chunk):
 
 
 def sdpa_jacobian(q, k, v, wrt: str = "q", *, method: str = "closed", chunk: int = 256, mask=None,
-                  key_lengths=None, key_mask=None, causal=False, scale=None):
+                  key_lengths=None, key_mask=None, causal=False, scale=None, bias=None, softcap=None,
+                  sinks=None, alibi_slopes=None, window=None, q_segment_ids=None, kv_segment_ids=None,
+                  dropout_p=0.0, dropout_seed=None, scale_grad=False):
     """d out / d wrt for attention, shape out.shape + wrt.shape (out is (B, H, Lq, Dv)).
 
     ``method="closed"`` (default) writes the nonzero blocks of the Jacobian directly
-    (J6)-(J8); ``method="jvp"`` pushes every basis direction through the JVP (J1)-(J3)."""
+    (J6)-(J8); ``method="jvp"`` pushes every basis direction through the JVP (J1)-(J3).
+    Variant keywords as sdpa_jvp; softcap and dropout need ``method="jvp"`` (ValueError
+    otherwise), scale_grad is refused."""
     _check_choice("wrt", wrt, SDPA_ARGS)
     _check_choice("method", method, ("closed", "jvp"))
     _check_chunk(chunk)
-    _, allowed, s = attention_structure(q, k, v, mask=mask, key_lengths=key_lengths,
-                                        key_mask=key_mask, causal=causal, scale=scale)
+    variants = {"bias": bias, "softcap": softcap, "sinks": sinks, "alibi_slopes": alibi_slopes, "window": window,
+                "q_segment_ids": q_segment_ids, "kv_segment_ids": kv_segment_ids, "dropout_p": dropout_p,
+                "dropout_seed": dropout_seed, "scale_grad": scale_grad}
+    _, allowed, s, var = attention_structure(q, k, v, mask=mask, key_lengths=key_lengths, key_mask=key_mask,
+                                             causal=causal, scale=scale, variants=variants,
+                                             who="sdpa_jacobian", kind=method)
     args = {"q": q, "k": k, "v": v}
     out_shape = (q.shape[0], q.shape[1], q.shape[2], v.shape[3])
     if method == "closed":
-        return _sdpa_jacobian_blocks(attention_jvp_parts(q, k, v, None, None, None, allowed, s), wrt,
+        return _sdpa_jacobian_blocks(attention_jvp_parts(q, k, v, None, None, None, allowed, s, var), wrt,
                                      out_shape + tuple(args[wrt].shape))
 
     def jvp_of(t):
         tang = {n: (t if n == wrt else None) for n in SDPA_ARGS}
-        return attention_jvp_parts(q, k, v, tang["q"], tang["k"], tang["v"], allowed, s).tout
+        return attention_jvp_parts(q, k, v, tang["q"], tang["k"], tang["v"], allowed, s, var).tout
 
     return _jacobian_from_jvp(jvp_of, tuple(args[wrt].shape), out_shape, chunk)
 
@@ -117,7 +125,8 @@ def mha_jacobian(params, query, key=None, value=None, *, wrt: str = "query", con
     mha_forward.  ``convention="column"``: inputs (B, E, L) and outputs (B, E_out, Lq)
     with tokens as columns, weights (out, in) with Q = W^Q X + b^Q 1ᵀ; the Jacobian is
     returned in that convention too.  ``method="closed"`` (default) writes the Jacobian
-    w.r.t. a parameter directly (J9); inputs, and ``method="jvp"``, use the JVPs.
+    w.r.t. a parameter directly (J9); inputs, and ``method="jvp"``, use the JVPs.  Variant
+    keywords as mha_jvp; softcap and dropout need the JVPs (refused for (J9)).
     """
     _check_choice("method", method, ("closed", "jvp"))
     _check_choice("convention", convention, ("row", "column"))
@@ -138,6 +147,7 @@ def mha_jacobian(params, query, key=None, value=None, *, wrt: str = "query", con
     else:
         arg = params[wrt]
     _f64(wrt, arg)
+    kwargs = {**kwargs, "who": "mha_jacobian", "kind": "closed" if method == "closed" and wrt in params else "jvp"}
     base = layer_jvp_parts(params, query, key, value, **kwargs)
     if method == "closed" and wrt in params:
         return _layer_param_blocks(base, params, wrt)

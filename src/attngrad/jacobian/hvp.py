@@ -32,6 +32,7 @@ from .jvp import (
     check_layer,
     layer_jvp_parts,
 )
+from .variants import refuse_unsupported
 
 
 class AttnSecondOrder(NamedTuple):
@@ -81,15 +82,22 @@ def _loss_grad(y, ty, cotangent, target, what: str):
 
 
 def sdpa_hvp(q, k, v, tq=None, tk=None, tv=None, *, cotangent=None, target=None, mask=None,
-             key_lengths=None, key_mask=None, causal=False, scale=None) -> AttnSecondOrder:
+             key_lengths=None, key_mask=None, causal=False, scale=None, bias=None, softcap=None, sinks=None, alibi_slopes=None, window=None, q_segment_ids=None,
+             kv_segment_ids=None, dropout_p=0.0, dropout_seed=None, scale_grad=False) -> AttnSecondOrder:
     """Gradient and Hessian-vector product of a scalar loss of attention w.r.t. (Q, K, V).
 
     L = ⟨G, O⟩ (``cotangent=G``) or L = ½‖O − T‖² (``target=T``); the direction is
     (tq, tk, tv) (None = 0).  Returns grads {"q","k","v"} and hvp {"q","k","v"}, where
-    hvp = ∇²L · (tq, tk, tv).  Masks as in sdpa_forward."""
-    _, allowed, s = attention_structure(q, k, v, mask=mask, key_lengths=key_lengths,
-                                        key_mask=key_mask, causal=causal, scale=scale)
-    r = attention_jvp_parts(q, k, v, tq, tk, tv, allowed, s)
+    hvp = ∇²L · (tq, tk, tv).  Masks as in sdpa_forward.  Variants: bias, sinks, alibi_slopes
+    (fixed values), window and segments; softcap, dropout and scale_grad are refused
+    (ValueError naming them)."""
+    variants = {"bias": bias, "softcap": softcap, "sinks": sinks, "alibi_slopes": alibi_slopes, "window": window,
+                "q_segment_ids": q_segment_ids, "kv_segment_ids": kv_segment_ids, "dropout_p": dropout_p,
+                "dropout_seed": dropout_seed, "scale_grad": scale_grad}
+    _, allowed, s, var = attention_structure(q, k, v, mask=mask, key_lengths=key_lengths, key_mask=key_mask,
+                                             causal=causal, scale=scale, variants=variants, who="sdpa_hvp",
+                                             kind="hvp")
+    r = attention_jvp_parts(q, k, v, tq, tk, tv, allowed, s, var)
     dout, tdout = _loss_grad(r.out, r.tout, cotangent, target, "output")
     return attention_backward_jvp(r, dout, tdout)
 
@@ -115,13 +123,20 @@ def _one_direction(tangents, params, inputs) -> None:
 
 def mha_hvp(params, query, key=None, value=None, *, tangents=None, cotangent=None, target=None,
             num_heads, num_kv_heads=None, mask=None, key_lengths=None, key_mask=None, causal=False,
-            scale=None) -> LayerSecondOrder:
+            scale=None, bias=None, softcap=None, sinks=None, alibi_slopes=None, window=None, q_segment_ids=None,
+            kv_segment_ids=None, dropout_p=0.0, dropout_seed=None, scale_grad=False) -> LayerSecondOrder:
     """Gradient and Hessian-vector product of L = ⟨G, Y⟩ or ½‖Y − T‖² for the layer,
     w.r.t. all parameters and inputs jointly.  ``tangents`` is the direction: a dict with
-    some of the parameter names and "query"/"key"/"value" (missing = 0)."""
+    some of the parameter names and "query"/"key"/"value" (missing = 0).  Variants as
+    sdpa_hvp."""
+    variants = {"bias": bias, "softcap": softcap, "sinks": sinks, "alibi_slopes": alibi_slopes, "window": window,
+                "q_segment_ids": q_segment_ids, "kv_segment_ids": kv_segment_ids, "dropout_p": dropout_p,
+                "dropout_seed": dropout_seed, "scale_grad": scale_grad}
+    refuse_unsupported("mha_hvp", "hvp", variants)
     H, _, roles, _ = check_layer(params, query, key, value, num_heads, num_kv_heads)
     r = layer_jvp_parts(params, query, key, value, tangents=tangents, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                        mask=mask, key_lengths=key_lengths, key_mask=key_mask, causal=causal, scale=scale)
+                        mask=mask, key_lengths=key_lengths, key_mask=key_mask, causal=causal, scale=scale,
+                        **variants, who="mha_hvp", kind="hvp")
     _one_direction(tangents, params, {"query": query, "key": key, "value": value})
     given = dict(tangents or {})
     tparams = {n: np.zeros_like(a) if given.get(n) is None else given[n] for n, a in params.items()}

@@ -6,6 +6,10 @@
     (J4) Q̇ = Ẋ_q W^Q + X_q Ẇ^Q + ḃ^Q             (likewise K, V; split into heads)
     (J5) Ẏ = Ċ W^O + C Ẇ^O + ḃ^O,  Ċ = [Ȯ_1, …, Ȯ_H]
 
+Today's variants (V1-V7) enter with fixed values (:mod:`.variants`): (J1) becomes
+Ṡ = (1 − tanh²(S⁰/c)) ∘ s (Q̇ Kᵀ + Q K̇ᵀ) under a soft-cap, P is the softmax with sinks
+over the allowed keys (bias, ALiBi, window, segments), and (J3) carries dropout's Z/(1 − p).
+
 Tangents may carry extra leading axes (a batch of directions): every operation here
 broadcasts over them, which is how ``attngrad.jacobian.full`` builds a whole Jacobian in
 one pass.  Masks come from the library's one rule, ``make_mask_spec(...).block``; masked
@@ -14,17 +18,22 @@ entries have P = Ṗ = 0 and a query row with no key gives Ȯ = 0.  NumPy, float
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import NamedTuple
 
 import numpy as np
 
-from ..core._xp import check_scale
-from ..core.masks import make_mask_spec
-from ..core.sdpa import masked_softmax, validate_qkv
+from ..core.dense import softmax_with_sinks
+from ..core.problem import make_problem
 from ..layers.mha import BIASES, WEIGHTS, check_inputs, check_params
 from ..ops import merge_heads, project, split_heads
+from .variants import (
+    NO_VARIANTS,
+    VARIANT_DEFAULTS,
+    LogitVariants,
+    logit_variants,
+    refuse_unsupported,
+)
 
 
 class AttnJVP(NamedTuple):
@@ -65,20 +74,26 @@ def _tangent(name, t, like):
     return t
 
 
-def attention_structure(q, k, v, *, mask=None, key_lengths=None, key_mask=None, causal=False, scale=None):
-    """Validated shapes, the allowed structure (B|1, H|1, Lq, Lk) bool or None, and the scale."""
+def attention_structure(q, k, v, *, mask=None, key_lengths=None, key_mask=None, causal=False, scale=None,
+                        variants=None, who: str = "sdpa_jvp", kind: str = "jvp"):
+    """Validated shapes, the allowed structure (B|1, H|1, Lq, Lk) bool or None, the scale
+    and the :class:`~.variants.LogitVariants`.  ``variants``: the variant keywords of
+    sdpa_forward; those a tool of ``kind`` cannot honour are refused, naming ``who``.
+    Validation is the library's front door (make_problem: one scale rule, one mask rule)."""
     for name, a in (("q", q), ("k", k), ("v", v)):
         _f64(name, a)
-    sh = validate_qkv(q, k, v)
-    spec = make_mask_spec(np, sh.batch, sh.heads, sh.lq, sh.lk, mask=mask, key_lengths=key_lengths,
-                          key_mask=key_mask, causal=causal)
-    if scale is None:
-        scale = 1.0 / math.sqrt(sh.d) if sh.d else 1.0
-    return sh, spec.block(np), check_scale(scale)  # the library's one scale rule
+    opts = {**VARIANT_DEFAULTS, **(variants or {})}
+    refuse_unsupported(who, kind, opts)
+    for name in ("bias", "sinks", "alibi_slopes"):
+        if opts[name] is not None:
+            _f64(name, opts[name])
+    prob = make_problem(np, q, k, v, mask=mask, key_lengths=key_lengths, key_mask=key_mask, causal=causal,
+                        scale=scale, **opts)
+    return prob.shape, prob.spec.block(np), prob.scale, logit_variants(prob)
 
 
-def attention_jvp_parts(q, k, v, tq, tk, tv, allowed, scale) -> AttnJVP:
-    """(J1)-(J3) on validated inputs; ``allowed`` from :func:`attention_structure`."""
+def attention_jvp_parts(q, k, v, tq, tk, tv, allowed, scale, var: LogitVariants = NO_VARIANTS) -> AttnJVP:
+    """(J1)-(J3) on validated inputs; ``allowed`` and ``var`` from :func:`attention_structure`."""
     H, Hkv = q.shape[1], k.shape[1]
     G = H // Hkv if Hkv else 1
     primal_only = tq is None and tk is None and tv is None  # the closed-form Jacobians' case
@@ -93,25 +108,39 @@ def attention_jvp_parts(q, k, v, tq, tk, tv, allowed, scale) -> AttnJVP:
         q, tq = np.where(row_used, q, 0.0), np.where(row_used, tq, 0.0)
     kt = np.swapaxes(k, -1, -2)  # (B, H, D, Lk)
     s = scale * (q @ kt)  # (A1) (B, H, Lq, Lk)
-    p = masked_softmax(np, s, allowed)  # (A2)
-    out = p @ v  # (A3) (B, H, Lq, Dv)
+    if var.softcap is not None:
+        t = np.tanh(s / var.softcap)  # (V1)
+        s = var.softcap * t  # (V1) S1 = c tanh(S0 / c)
+    if var.add is not None:
+        s = s + var.add  # (A1, V4) + Bias − slope |pos(i) − j|
+    p, _ = softmax_with_sinks(np, s, allowed, var.sinks)  # (A2, V2)
+    pd = p if var.keep is None else p * var.keep  # (V3) P ∘ Z / (1 − p)
+    out = pd @ v  # (A3) (B, H, Lq, Dv)
     if primal_only:  # zero direction: every tangent is 0
         return AttnJVP(q, k, v, tq, tk, tv, p, np.zeros_like(p), out, np.zeros_like(out), scale, G)
     ts = scale * (tq @ kt + q @ np.swapaxes(tk, -1, -2))  # (J1) (..., B, H, Lq, Lk)
-    tp = p * (ts - np.sum(p * ts, axis=-1, keepdims=True))  # (J2)
-    tout = tp @ v + p @ tv  # (J3) (..., B, H, Lq, Dv)
+    if var.softcap is not None:
+        ts = ts * (1.0 - t * t)  # (V1) the soft-cap's chain rule
+    tp = p * (ts - np.sum(p * ts, axis=-1, keepdims=True))  # (J2) (the sink's logit has no tangent)
+    tout = (tp if var.keep is None else tp * var.keep) @ v + pd @ tv  # (J3, V3) (..., B, H, Lq, Dv)
     return AttnJVP(q, k, v, tq, tk, tv, p, tp, out, tout, scale, G)
 
 
 def sdpa_jvp(q, k, v, tq=None, tk=None, tv=None, *, mask=None, key_lengths=None, key_mask=None,
-             causal=False, scale=None):
+             causal=False, scale=None, bias=None, softcap=None, sinks=None, alibi_slopes=None, window=None,
+             q_segment_ids=None, kv_segment_ids=None, dropout_p=0.0, dropout_seed=None, scale_grad=False):
     """Attention output and its directional derivative: ``(out, tout)``.
 
     q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv), float64 NumPy; tangents of the
-    same shapes (None = 0), optionally with extra leading axes.  (J1)-(J3)."""
-    _, allowed, scale = attention_structure(q, k, v, mask=mask, key_lengths=key_lengths,
-                                            key_mask=key_mask, causal=causal, scale=scale)
-    r = attention_jvp_parts(q, k, v, tq, tk, tv, allowed, scale)
+    same shapes (None = 0), optionally with extra leading axes.  (J1)-(J3).  The variant
+    keywords as sdpa_forward, as fixed values (no tangent for bias, sinks or slopes);
+    ``scale_grad`` is refused (ValueError)."""
+    variants = {"bias": bias, "softcap": softcap, "sinks": sinks, "alibi_slopes": alibi_slopes, "window": window,
+                "q_segment_ids": q_segment_ids, "kv_segment_ids": kv_segment_ids, "dropout_p": dropout_p,
+                "dropout_seed": dropout_seed, "scale_grad": scale_grad}
+    _, allowed, scale, var = attention_structure(q, k, v, mask=mask, key_lengths=key_lengths, key_mask=key_mask,
+                                                 causal=causal, scale=scale, variants=variants)
+    r = attention_jvp_parts(q, k, v, tq, tk, tv, allowed, scale, var)
     return r.out, r.tout
 
 
@@ -161,9 +190,18 @@ def _db(tb):
 
 
 def layer_jvp_parts(params, query, key=None, value=None, *, tangents=None, num_heads, num_kv_heads=None,
-                    mask=None, key_lengths=None, key_mask=None, causal=False, scale=None) -> LayerJVP:
+                    mask=None, key_lengths=None, key_mask=None, causal=False, scale=None, bias=None,
+                    softcap=None, sinks=None, alibi_slopes=None, window=None, q_segment_ids=None,
+                    kv_segment_ids=None, dropout_p=0.0, dropout_seed=None, scale_grad=False,
+                    who: str = "mha_jvp", kind: str = "jvp") -> LayerJVP:
     """(J4), (J1)-(J3) per head, (J5).  ``tangents``: dict with some of the keys of
-    ``params`` and of the inputs ("query", "key", "value"); missing keys are 0."""
+    ``params`` and of the inputs ("query", "key", "value"); missing keys are 0.  The
+    variant keywords as mha_forward, fixed values (see :mod:`.variants`); what a tool of
+    ``kind`` cannot honour is refused naming ``who``."""
+    variants = {"bias": bias, "softcap": softcap, "sinks": sinks, "alibi_slopes": alibi_slopes, "window": window,
+                "q_segment_ids": q_segment_ids, "kv_segment_ids": kv_segment_ids, "dropout_p": dropout_p,
+                "dropout_seed": dropout_seed, "scale_grad": scale_grad}
+    refuse_unsupported(who, kind, variants)  # before any other work
     if tangents is not None and not isinstance(tangents, Mapping):
         raise TypeError(
             "tangents must be a mapping from parameter or input names to arrays (the direction); "
@@ -186,10 +224,10 @@ def layer_jvp_parts(params, query, key=None, value=None, *, tangents=None, num_h
         proj.append((y, ty))
     (q, tq), (k, tk), (v, tv) = proj
     heads = (split_heads(np, q, H), split_heads(np, k, Hkv), split_heads(np, v, Hkv))  # (M1)
-    _, allowed, s = attention_structure(*heads, mask=mask, key_lengths=key_lengths,
-                                        key_mask=key_mask, causal=causal, scale=scale)
+    _, allowed, s, var = attention_structure(*heads, mask=mask, key_lengths=key_lengths, key_mask=key_mask,
+                                             causal=causal, scale=scale, variants=variants, who=who, kind=kind)
     attn = attention_jvp_parts(*heads, split_heads(np, tq, H), split_heads(np, tk, Hkv),
-                               split_heads(np, tv, Hkv), allowed, s)  # (J1)-(J3) per head
+                               split_heads(np, tv, Hkv), allowed, s, var)  # (J1)-(J3) per head
     c, tc = merge_heads(np, attn.out), merge_heads(np, attn.tout)  # (M3) (B, Lq, H*Dv)
     wo, bo = params["W_o"], params.get("b_o")
     y = project(np, c, wo, bo)  # (M4) (B, Lq, E_out)
