@@ -5,7 +5,7 @@ from __future__ import annotations
 import shlex
 from xml.etree import ElementTree as ET
 
-from .verdict import EPS, FAIL, FLOOR_ULPS, NONDET, PASS, REFUSED, SKIP
+from .verdict import FAIL, FLOOR_ULPS, NONDET, PASS, REFUSED, SKIP
 
 COLUMNS = (PASS, FAIL, NONDET, REFUSED, SKIP)
 HEADS = {PASS: "pass", FAIL: "fail", NONDET: "non-det", REFUSED: "refused", SKIP: "skipped"}
@@ -95,6 +95,10 @@ def to_junit(report) -> str:
         suite = ET.SubElement(root, "testsuite", name=family, tests=str(len(results)),
                               failures=str(n[FAIL] + n[NONDET]), errors=str(n[REFUSED]),
                               skipped=str(n[SKIP]))
+        props = ET.SubElement(suite, "properties")  # the verdict's settings, in every suite
+        for k, v in (("target", report.target), ("rtol", report.rtol), ("factor", report.factor),
+                     ("grid", report.grid), ("floor_ulps", FLOOR_ULPS)):
+            ET.SubElement(props, "property", name=k, value=str(v))
         for r in results:
             case = ET.SubElement(suite, "testcase", classname=f"attngrad.conform.{family}", name=r.case_id)
             if r.verdict == SKIP:
@@ -105,9 +109,4 @@ def to_junit(report) -> str:
             elif r.verdict == REFUSED:
                 el = ET.SubElement(case, "error", message=r.reason, type=r.verdict)
                 el.text = repro_command(report, r.case_id)
-    props = ET.Element("properties")
-    for k, v in (("rtol", report.rtol), ("factor", report.factor), ("grid", report.grid),
-                 ("floor_ulps", FLOOR_ULPS), ("eps", ",".join(f"{d}={e:g}" for d, e in EPS.items()))):
-        ET.SubElement(props, "property", name=k, value=str(v))
-    root.insert(0, props)
     return ET.tostring(root, encoding="unicode", xml_declaration=True)
