@@ -33,6 +33,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from . import fused
 from ._xp import Array
 from .dense import dense_forward, reduce_to_shape
 from .dropout import keep_tile
@@ -57,6 +58,7 @@ class Tiling(NamedTuple):
     block_q: int  # query rows per tile
     block_k: int  # keys per tile
     threads: int  # cores to use (Python workers x BLAS threads <= threads)
+    fused: bool = False  # elementwise tile work in the compiled kernels of :mod:`.fused`
 
 
 class TiledCache(NamedTuple):
@@ -104,7 +106,9 @@ class TiledCache(NamedTuple):
 
 
 def make_tiling(block_q=None, block_k=None, threads=None) -> Tiling:
-    """Validated tile sizes and thread count (None = defaults / every core)."""
+    """Validated tile sizes and thread count (None = defaults / every core); the fused
+    kernels whenever :func:`attngrad.core.fused.enabled` (numba installed and
+    ``ATTNGRAD_NO_NUMBA`` unset), else the NumPy code."""
     sizes = {"block_q": (block_q, DEFAULT_BLOCK_Q), "block_k": (block_k, DEFAULT_BLOCK_K)}
     out = []
     for name, (value, default) in sizes.items():
@@ -115,7 +119,7 @@ def make_tiling(block_q=None, block_k=None, threads=None) -> Tiling:
         if value < 1:
             raise ValueError(f"{name} must be >= 1; got {value}")
         out.append(int(value))
-    return Tiling(out[0], out[1], check_threads(threads))
+    return Tiling(out[0], out[1], check_threads(threads), fused.enabled())
 
 
 def choose_impl(xp, sh: SDPAShape) -> str:
@@ -206,10 +210,16 @@ def _head(prob: Problem, b: int, h: int) -> Head:
     return Head(b, h, slope, sink)
 
 
+def _tile_buf(buf, rows: int, cols: int):
+    """A C-contiguous (rows, cols) view of a flat scratch buffer: BLAS writes into it
+    directly and the fused kernels see one memory layout."""
+    return buf[: rows * cols].reshape(rows, cols)
+
+
 def tile_logits(prob: Problem, hd: Head, q0, q1, k0, k1, tile, qt, kt, buf):
     """S of one tile, masked by structure (-inf): (A1, V1, V4, A2).  ``qt`` is scaled when
     the scale is folded.  Returns ``(s, t)``, t = tanh(S0 / c) with a soft-cap."""
-    s = np.matmul(qt, kt.T, out=buf[: q1 - q0, : k1 - k0])  # (A1) (bq, bk)
+    s = np.matmul(qt, kt.T, out=_tile_buf(buf, q1 - q0, k1 - k0))  # (A1) (bq, bk)
     bias = None if prob.bias is None else _bias_tile(prob.bias, hd.b, hd.h, q0, q1, k0, k1)
     s, t = form_logits(np, prob, s, bias=bias, slopes=hd.slope, tile=(q0, q1, k0, k1))
     if tile is not None:
@@ -238,12 +248,13 @@ def tiled_forward(q, k, v, prob: Problem, tiling: Tiling):
     keep_scale = cdt.type(1.0 / (1.0 - prob.dropout_p))
     scratch = {}
     masks = TileMasks(prob.spec)
+    kern = fused.kernels() if tiling.fused else None
 
     def work(unit: int, worker: int) -> None:
         b, h = divmod(unit, H)
         hd = _head(prob, b, h)
         if worker not in scratch:
-            scratch[worker] = np.empty((bq, bk), dtype=cdt)
+            scratch[worker] = np.empty(bq * bk, dtype=cdt)
         s_buf = scratch[worker]
         kh, vh = k[b, h // G], v[b, h // G]  # (Lk, D), (Lk, Dv)
         qh = q[b, h] * prob.scale if prob.fold else q[b, h]  # (Lq, D)
@@ -261,19 +272,22 @@ def tiled_forward(q, k, v, prob: Problem, tiling: Tiling):
                 if nkeys is not None:
                     nkeys[b, h, q0:q1] += (k1 - k0) if tile is None else (k1 - k0) - tile.masked.sum(axis=1)
                 s, _ = tile_logits(prob, hd, q0, q1, k0, k1, tile, qh[q0:q1], kh[k0:k1], s_buf)
-                m_new = np.maximum(m, s.max(axis=1))  # (FA3) (bq,)
-                shift = np.where(np.isfinite(m_new), m_new, 0)  # rows with nothing yet: 0
-                s -= shift[:, None]
-                np.exp(s, out=s)  # (FA3) e^(S - m'), 0 where masked
-                alpha = np.exp(m - shift)  # (FA3) (bq,) e^(m - m'); 0 when m = -inf
-                l *= alpha
-                l += s.sum(axis=1)
-                acc *= alpha[:, None]
+                if kern is not None:
+                    kern["online_softmax"](s, m, l, acc)  # (FA3) the five steps below, fused
+                else:
+                    m_new = np.maximum(m, s.max(axis=1))  # (FA3) (bq,)
+                    shift = np.where(np.isfinite(m_new), m_new, 0)  # rows with nothing yet: 0
+                    s -= shift[:, None]
+                    np.exp(s, out=s)  # (FA3) e^(S - m'), 0 where masked
+                    alpha = np.exp(m - shift)  # (FA3) (bq,) e^(m - m'); 0 when m = -inf
+                    l *= alpha
+                    l += s.sum(axis=1)
+                    acc *= alpha[:, None]
+                    m = m_new
                 if prob.dropout:  # (V3) the kept entries, rescaled
                     s = np.where(_keep(prob, hd, q0, q1, k0, k1), s * keep_scale, 0)
                 vt = vh[k0:k1] if tile is None else _used(vh[k0:k1], tile.cols_used)
                 acc += s @ vt  # (A3) (bq, Dv)
-                m = m_new
             has = l > 0  # (bq,) rows that attend something (or a sink)
             acc /= np.where(has, l, 1)[:, None]  # (A3) O = acc / l; 0 rows stay 0
             with np.errstate(divide="ignore"):
@@ -293,11 +307,15 @@ def preprocess_delta(do, out):
     return np.einsum("ij,ij->i", do, out)
 
 
-def tile_probs(prob: Problem, hd: Head, q0, q1, k0, k1, tile, qt, kt, lse, buf):
-    """(FA2) P of one tile from the saved lse: exp(S - lse), 0 where masked.  Returns (P, t)."""
+def tile_probs(prob: Problem, hd: Head, q0, q1, k0, k1, tile, qt, kt, lse, buf, kern=None):
+    """(FA2) P of one tile from the saved lse: exp(S - lse), 0 where masked.  Returns (P, t).
+    ``kern``: the fused kernels (:mod:`.fused`), or None for NumPy."""
     p, t = tile_logits(prob, hd, q0, q1, k0, k1, tile, qt, kt, buf)
-    p -= lse[q0:q1, None]
-    np.exp(p, out=p)
+    if kern is not None:
+        kern["tile_exp"](p, lse[q0:q1])  # (FA2) in one pass
+    else:
+        p -= lse[q0:q1, None]
+        np.exp(p, out=p)
     return p, t
 
 
@@ -311,17 +329,21 @@ class Acc(NamedTuple):
     per_head: Array  # (3,) float64: dslope, dscale, dsink for head (b, h)
 
 
-def tile_grads(prob: Problem, hd: Head, q0, q1, k0, k1, tile, p, t, qt_raw, kt, vt, do, delta, flat, acc: Acc, buf):
-    """(A4-A10, V1-V7) on one tile: accumulate dV, dK, dQ, dBias and the per-head sums."""
+def tile_grads(prob: Problem, hd: Head, q0, q1, k0, k1, tile, p, t, qt_raw, kt, vt, do, delta, flat, acc: Acc, buf, kern=None):
+    """(A4-A10, V1-V7) on one tile: accumulate dV, dK, dQ, dBias and the per-head sums.
+    ``kern``: the fused kernels (:mod:`.fused`), or None for NumPy."""
     keep = _keep(prob, hd, q0, q1, k0, k1) if prob.dropout else None
     r = p.dtype.type(1.0 / (1.0 - prob.dropout_p))
     pd = p if keep is None else np.where(keep, p * r, 0)  # (V3) P~
     acc.dv[k0:k1] += pd.T @ do  # (A4) (bk, Dv)
-    ds = np.matmul(do, vt.T, out=buf[: q1 - q0, : k1 - k0])  # (A5) dP~ (bq, bk)
+    ds = np.matmul(do, vt.T, out=_tile_buf(buf, q1 - q0, k1 - k0))  # (A5) dP~ (bq, bk)
     if keep is not None:
         ds = np.where(keep, ds * r, 0)  # (V3) dP = dP~ Z / (1 - p)
-    ds -= delta[q0:q1, None]
-    ds *= p  # (A7) dS = P * (dP - delta)  (bq, bk)
+    if kern is not None:
+        kern["tile_dsoftmax"](ds, p, delta[q0:q1])  # (A7) the two steps below, fused
+    else:
+        ds -= delta[q0:q1, None]
+        ds *= p  # (A7) dS = P * (dP - delta)  (bq, bk)
     if flat is not None and flat[q0:q1].any():
         ds[flat[q0:q1]] = 0  # (A7) constant softmax rows: dS = 0 exactly
     if acc.db is not None:
@@ -380,10 +402,11 @@ def tiled_backward(dout, cache: TiledCache) -> dict:
     partials = [np.zeros(db_shape) for _ in (slots if own_partials else [0])] if db_shape else None
     scratch = {}
     masks = TileMasks(prob.spec)
+    kern = fused.kernels() if cache.tiling.fused else None
 
     def work(slot: int, worker: int) -> None:
         if worker not in scratch:
-            scratch[worker] = (np.empty((bq, bk), dtype=cdt), np.empty((bq, bk), dtype=cdt))
+            scratch[worker] = (np.empty(bq * bk, dtype=cdt), np.empty(bq * bk, dtype=cdt))
         s_buf, dp_buf = scratch[worker]
         db_all = None if partials is None else partials[slot if own_partials else 0]
         for b, hk in slots[slot]:
@@ -409,9 +432,9 @@ def tiled_backward(dout, cache: TiledCache) -> dict:
                         if tile is not None:
                             qt, qr = _used(qt, tile.rows_used), _used(qr, tile.rows_used)
                             kt, vt = _used(kt, tile.cols_used), _used(vt, tile.cols_used)
-                        p, t = tile_probs(prob, hd, q0, q1, k0, k1, tile, qt, kt, lse, s_buf)
+                        p, t = tile_probs(prob, hd, q0, q1, k0, k1, tile, qt, kt, lse, s_buf, kern)
                         tile_grads(prob, hd, q0, q1, k0, k1, tile, p, t, qr, kt, vt,
-                                   do[q0:q1], delta, flat, acc, dp_buf)
+                                   do[q0:q1], delta, flat, acc, dp_buf, kern)
                 if prob.sinks is not None:  # (V2) dsink_h = -sum_i exp(sink_h - lse_i) delta_i
                     psink = np.exp(hd.sink - lse)  # (Lq,) 0 for rows with lse = inf (none with sinks)
                     per_head[b, h, 2] = -np.dot(psink.astype(np.float64), delta)

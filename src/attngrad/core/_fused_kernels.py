@@ -1,0 +1,159 @@
+"""The numba kernels of :mod:`.fused` (imported only through it; needs numba).
+
+No "reassoc" fast-math flag (it would undo the exponential's range reduction) and no
+"nnan"/"ninf" (-inf marks masked logits): contraction to FMA and the rest are safe.
+Row sums and maxima run over 8 partials in a fixed order (vectorised without reassociation,
+independent of alignment and thread count).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+from numba import types
+from numba.extending import overload
+
+_FM = {"contract", "nsz", "arcp"}
+_LO32, _HI32 = np.float32(-87.3365448), np.float32(88.3762589)
+_jit = numba.njit(fastmath=_FM, nogil=True, cache=True)
+
+
+@_jit
+def exp32(x):
+    """e^x in float32, < 1 ulp, vectorisable (Cephes expf).  x < -87.34 (and -inf) -> 0."""
+    xc = min(max(x, _LO32), _HI32)
+    n = np.int32(xc * np.float32(1.44269504) + np.float32(126.5)) - np.int32(126)  # round(x/ln2)
+    nf = np.float32(n)
+    r = xc - nf * np.float32(0.693359375)  # Cody-Waite: ln2 = C1 + C2, C1 exact in 9 bits
+    r = r - nf * np.float32(-2.12194440e-4)
+    z = r * r
+    p = np.float32(1.9875691500e-4)
+    p = p * r + np.float32(1.3981999507e-3)
+    p = p * r + np.float32(8.3334519073e-3)
+    p = p * r + np.float32(4.1665795894e-2)
+    p = p * r + np.float32(1.6666665459e-1)
+    p = p * r + np.float32(5.0000001201e-1)
+    p = p * z + r + np.float32(1.0)  # e^r
+    y = p * np.int32((n + np.int32(127)) << np.int32(23)).view(np.float32)  # e^r 2^n
+    if x < _LO32:
+        y = np.float32(0.0)  # underflow, and -inf (masked)
+    if x != x:
+        y = x  # NaN stays NaN
+    return y
+
+
+def exp_(x):
+    """e^x in x's dtype (float32: :func:`exp32`; float64: libm)."""
+
+
+@overload(exp_, fastmath=_FM)
+def _exp(x):
+    if x == types.float32:
+        return lambda x: exp32(x)
+    return lambda x: math.exp(x)
+
+
+def narrow(x, v):
+    """v rounded to x's dtype."""
+
+
+@overload(narrow)
+def _narrow(x, v):
+    if x == types.float32:
+        return lambda x, v: np.float32(v)
+    return lambda x, v: np.float64(v)
+
+
+@_jit
+def _rowmax(row, start):
+    """max(start, max(row)) over 8 partials."""
+    n = row.shape[0]
+    n8 = n - n % 8
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = start
+    for j in range(0, n8, 8):
+        a0 = max(a0, row[j])
+        a1 = max(a1, row[j + 1])
+        a2 = max(a2, row[j + 2])
+        a3 = max(a3, row[j + 3])
+        a4 = max(a4, row[j + 4])
+        a5 = max(a5, row[j + 5])
+        a6 = max(a6, row[j + 6])
+        a7 = max(a7, row[j + 7])
+    m = max(max(max(a0, a1), max(a2, a3)), max(max(a4, a5), max(a6, a7)))
+    for j in range(n8, n):
+        m = max(m, row[j])
+    return m
+
+
+@_jit
+def _rowsum(row, zero):
+    """sum(row) over 8 partials, added in a fixed tree."""
+    n = row.shape[0]
+    n8 = n - n % 8
+    t0 = t1 = t2 = t3 = t4 = t5 = t6 = t7 = zero
+    for j in range(0, n8, 8):
+        t0 += row[j]
+        t1 += row[j + 1]
+        t2 += row[j + 2]
+        t3 += row[j + 3]
+        t4 += row[j + 4]
+        t5 += row[j + 5]
+        t6 += row[j + 6]
+        t7 += row[j + 7]
+    t = ((t0 + t1) + (t2 + t3)) + ((t4 + t5) + (t6 + t7))
+    for j in range(n8, n):
+        t += row[j]
+    return t
+
+
+@_jit
+def online_softmax(s, m, l, acc):
+    """(FA3) on one tile, in place: m' = max(m, rowmax S); S <- e^(S - m');
+    l <- l e^(m - m') + rowsum; acc <- acc e^(m - m'); m <- m'.
+    s (bq, bk), m and l (bq,) in the compute dtype; acc (bq, Dv) any float dtype."""
+    bq, bk = s.shape
+    for i in range(bq):
+        row = s[i]
+        mx = _rowmax(row, m[i])
+        zero = narrow(mx, 0.0)
+        sh = mx if abs(mx) < np.inf else zero  # rows with nothing allowed yet: shift 0
+        for j in range(bk):
+            row[j] = exp_(row[j] - sh)  # (FA3) e^(S - m'), 0 where masked
+        alpha = exp_(m[i] - sh)  # e^(m - m'); 0 when m = -inf
+        l[i] = l[i] * alpha + _rowsum(row, zero)
+        for d in range(acc.shape[1]):
+            acc[i, d] *= alpha
+        m[i] = mx
+
+
+@_jit
+def tile_exp(s, lse):
+    """(FA2) S <- e^(S - lse_i) in place, S - lse rounded to S's dtype first; lse (bq,)
+    float64 (+inf for empty rows: P = 0)."""
+    bq, bk = s.shape
+    for i in range(bq):
+        c = lse[i]
+        row = s[i]
+        for j in range(bk):
+            row[j] = exp_(narrow(row[j], row[j] - c))
+
+
+@_jit
+def tile_dsoftmax(dp, p, delta):
+    """(A7) dP <- P * (dP - delta_i) in place, the difference rounded to dP's dtype first;
+    delta (bq,) float64."""
+    bq, bk = dp.shape
+    for i in range(bq):
+        c = delta[i]
+        row, prow = dp[i], p[i]
+        for j in range(bk):
+            row[j] = narrow(row[j], row[j] - c) * prow[j]
+
+
+@_jit
+def vexp(x, out):
+    """out <- e^x elementwise on flat arrays (the kernels' exponential, for tests)."""
+    for i in range(x.size):
+        out[i] = exp_(x[i])
