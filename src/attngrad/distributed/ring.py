@@ -160,7 +160,6 @@ def _meta(p: RingProblem, dtype, flags) -> np.ndarray:
 def _gather_keys(ring: Ring, p: RingProblem, key_mask, key_lengths, kv_seg):
     """Global (B, Lk) key padding and key segment ids, from local shards (or key_lengths)."""
     keys = seg = None
-    nk = p.chunk_k * chunks_per_rank(p.layout)
     if key_mask is not None:
         keys = unshard(ring.all_gather(np.asarray(key_mask, dtype=bool)), p.layout, axis=1)  # (B, Lk)
     if key_lengths is not None:
@@ -169,7 +168,6 @@ def _gather_keys(ring: Ring, p: RingProblem, key_mask, key_lengths, kv_seg):
         keys = lk if keys is None else keys & lk
     if kv_seg is not None:
         seg = unshard(ring.all_gather(np.asarray(kv_seg, dtype=np.int64)), p.layout, axis=1)  # (B, Lk)
-    del nk
     return keys, seg
 
 
@@ -257,10 +255,28 @@ def _flat_rows(p: RingProblem, keys, q_seg, kv_seg):
     return flat if flat.any() else None
 
 
-def _flat_view(flat, p: RingProblem, qs: slice):
+def _flat_view(flat, p: RingProblem, hs: slice, qs: slice):
     if flat is None:
         return None
-    return np.broadcast_to(flat[:, None, qs], (p.batch, p.heads, qs.stop - qs.start))  # (B, H, cq)
+    return np.broadcast_to(flat[:, None, qs], (p.batch, hs.stop - hs.start, qs.stop - qs.start))  # (B, G, cq)
+
+
+def _head_groups(p: RingProblem):
+    """(query heads, key/value head) slices, one key/value head at a time: each block call
+    then allocates 1/Hkv of a block's output and gradients (its scratch memory)."""
+    g = p.heads // p.kv_heads
+    for j in range(p.kv_heads):
+        yield slice(j * g, (j + 1) * g), slice(j, j + 1)
+
+
+def _settle(ring: Ring, arrived, in_flight):
+    """Wait for the incoming dK/dV sum and for last step's outgoing message (r+1 has
+    posted its receive by now): at most one dK/dV buffer in flight, O(N/P) memory."""
+    if arrived is not None:
+        ring.wait(arrived)
+    if in_flight is not None:
+        ring.wait(in_flight[0])
+    return None, None
 
 
 def _pack(k, v, dtype) -> np.ndarray:
@@ -336,8 +352,9 @@ def ring_attention_forward(
             pending = [ring.send_next(cur, 2 * t), ring.recv_prev(other, 2 * t)]
         k_t, v_t = _unpack(cur, k.shape, v.shape)
         for qs, _, kind, k_c, v_c, keys_c, qseg_c, kvseg_c in blocks(src, k_t, v_t):
-            c = _block(q[:, :, qs], k_c, v_c, kind, options, keys_c, qseg_c, kvseg_c)
-            _merge(out[:, :, qs], lse[:, :, qs], c.out, c.lse)  # (RG1, RG2)
+            for hs, hk in _head_groups(p):
+                c = _block(q[:, hs, qs], k_c[:, hk], v_c[:, hk], kind, options, keys_c, qseg_c, kvseg_c)
+                _merge(out[:, hs, qs], lse[:, hs, qs], c.out, c.lse)  # (RG1, RG2)
         for h in pending:
             ring.wait(h)
         if pending:
@@ -388,33 +405,32 @@ def ring_attention_backward(dout, cache: RingCache, *, stats=None) -> dict:
         pending = []
         if t < p.world - 1:
             pending = [ring.send_next(cur, 2 * t), ring.recv_prev(other, 2 * t)]
-        incoming = arrived = None
-        if t > 0:  # dK, dV of this shard from the ranks it visited before (RG4)
-            incoming = np.empty(cur.size, dtype=cdt)
-            arrived = ring.recv_prev(incoming, 2 * t - 1)
-        if in_flight is not None:  # last step's dK/dV message: sent by now (r+1 posted its receive)
-            ring.wait(in_flight[0])
-            in_flight = None  # at most one dK/dV message in flight: O(N/P) memory
-        part = np.zeros(cur.size, dtype=cdt)  # this rank's dK, dV for the shard of rank src
-        dk_t, dv_t = _unpack(part, kshape, vshape)
+        # dK, dV of the shard of rank src: the sum over the ranks it visited before arrives
+        # from r-1 (RG4) while this rank computes its first block; its share is added in place.
+        # The receive is posted before any wait of this step (r-1 waits for it to send).
+        if t == 0:
+            acc, arrived = np.zeros(cur.size, dtype=cdt), None
+        else:
+            acc = np.empty(cur.size, dtype=cdt)
+            arrived = ring.recv_prev(acc, 2 * t - 1)
+        dk_t, dv_t = _unpack(acc, kshape, vshape)
         k_t, v_t = _unpack(cur, kshape, vshape)
         for qs, ks, kind, k_c, v_c, keys_c, qseg_c, kvseg_c in blocks(src, k_t, v_t):
-            c = _block(q[:, :, qs], k_c, v_c, kind, cache.options, keys_c, qseg_c, kvseg_c)
-            c = c._replace(out=cache.out[:, :, qs], lse=cache.lse[:, :, qs])  # (RG4) global O, lse
-            if "flat" in c._fields:  # the block's own flag sees only the block's keys
-                c = c._replace(flat=_flat_view(cache.flat, p, qs))
-            g = sdpa_backward(dout[:, :, qs], c)  # (RG4) this block's share
-            dq[:, :, qs] += g["q"]  # (RG4) (B, H, cq, D)
-            dk_t[:, :, ks] += g["k"]  # (RG4) (B, Hkv, ck, D)
-            dv_t[:, :, ks] += g["v"]  # (RG4) (B, Hkv, ck, Dv)
-        if arrived is not None:
-            ring.wait(arrived)
-            part += incoming
-            incoming = None  # freed now, not at the next step
+            for hs, hk in _head_groups(p):
+                c = _block(q[:, hs, qs], k_c[:, hk], v_c[:, hk], kind, cache.options, keys_c, qseg_c, kvseg_c)
+                c = c._replace(out=cache.out[:, hs, qs], lse=cache.lse[:, hs, qs])  # (RG4) global O, lse
+                if "flat" in c._fields:  # the block's own flag sees only the block's keys
+                    c = c._replace(flat=_flat_view(cache.flat, p, hs, qs))
+                g = sdpa_backward(dout[:, hs, qs], c)  # (RG4) this block's share
+                dq[:, hs, qs] += g["q"]  # (RG4) (B, G, cq, D)
+                arrived, in_flight = _settle(ring, arrived, in_flight)
+                dk_t[:, hk, ks] += g["k"]  # (RG4) (B, 1, ck, D)
+                dv_t[:, hk, ks] += g["v"]  # (RG4) (B, 1, ck, Dv)
+        arrived, in_flight = _settle(ring, arrived, in_flight)  # no block here: pass the sum on
         if p.world > 1:
-            in_flight = (ring.send_next(part, 2 * t + 1), part)  # on towards the owner
+            in_flight = (ring.send_next(acc, 2 * t + 1), acc)  # on towards the owner
         else:
-            own = part
+            own = acc
         for h in pending:
             ring.wait(h)
         if pending:
