@@ -279,6 +279,67 @@ def test_sdpa_dropout_reproducible_and_gradcheck():
     assert torch.autograd.gradcheck(fn, (q, k, v), eps=1e-6, atol=1e-5, rtol=1e-3)
 
 
+def drawn_seed(torch_seed: int) -> int:
+    """The dropout seed the drop-ins draw from torch's RNG right after manual_seed(torch_seed)."""
+    torch.manual_seed(torch_seed)
+    return int(torch.randint(0, 2**62, ()).item())
+
+
+def softmax_rows(s, allowed):
+    """Row softmax over allowed entries (every row here keeps a key), in plain torch ops."""
+    return torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1)
+
+
+@pytest.mark.skipif(not HAS_DROPOUT, reason="attngrad's core has no dropout_p/dropout_seed yet")
+def test_sdpa_dropout_equals_plain_torch_with_the_same_keep_mask():
+    """softmax(...) * Z / (1 - p) @ V by torch autograd, Z = attngrad.dropout_mask(seed)."""
+    p = 0.3
+    q, k, v = (leaf(t) for t in qkv((2, 4, 5, 3), (2, 2, 6, 3), seed=12))
+    m = bool_mask((2, 1, 5, 6), seed=13)
+    torch.manual_seed(21)
+    out = scaled_dot_product_attention(q, k, v, attn_mask=m, dropout_p=p, enable_gqa=True)
+    dout = torch.randn(out.shape, dtype=DT, generator=torch.Generator().manual_seed(3))
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    z = torch.as_tensor(attngrad.dropout_mask(drawn_seed(21), (2, 4, 5, 6), p))
+    qr, kr, vr = (leaf(t) for t in (q, k, v))
+    s = qr @ kr.repeat_interleave(2, dim=1).transpose(-1, -2) / 3**0.5  # (B, H, Lq, Lk)
+    ref = (softmax_rows(s, m.expand(2, 4, 5, 6)) * z / (1 - p)) @ vr.repeat_interleave(2, dim=1)
+    want = torch.autograd.grad(ref, (qr, kr, vr), dout)
+    assert rel_err(out, ref) <= REL
+    for g, w in zip(got, want, strict=True):
+        assert rel_err(g, w) <= REL
+
+
+@pytest.mark.skipif(not HAS_DROPOUT, reason="attngrad's core has no dropout_p/dropout_seed yet")
+def test_mha_dropout_in_training_mode_only():
+    p = 0.25
+    ours, ref = mha_pair(embed_dim=8, num_heads=2, dropout=p, batch_first=True)
+    x = torch.randn(2, 5, 8, dtype=DT, generator=torch.Generator().manual_seed(4), requires_grad=True)
+    am = attn_bool((5, 5))  # True = NOT allowed
+    ours.eval()
+    ref.eval()  # no dropout: equal to torch's module
+    assert rel_err(ours(x, x, x, attn_mask=am)[0], ref(x, x, x, attn_mask=am)[0]) <= REL
+    ours.train()
+    torch.manual_seed(8)
+    y, w = ours(x, x, x, attn_mask=am, average_attn_weights=False)
+    torch.manual_seed(8)
+    assert torch.equal(y, ours(x, x, x, attn_mask=am)[0])  # reproducible from torch's seed
+    dy = torch.randn(y.shape, dtype=DT, generator=torch.Generator().manual_seed(5))
+    got = torch.autograd.grad(y, (x, *ours.parameters()), dy)
+    # the same layer in plain torch ops, with attngrad's keep mask for the drawn seed
+    z = torch.as_tensor(attngrad.dropout_mask(drawn_seed(8), (2, 2, 5, 5), p))
+    xr = leaf(x)
+    params = [leaf(t) for t in ours.parameters()]  # in_proj_weight, in_proj_bias, out_proj.*
+    w_in, b_in, w_out, b_out = params
+    qkv_ = (xr @ w_in.T + b_in).view(2, 5, 3, 2, 4).permute(2, 0, 3, 1, 4)  # (3, B, H, L, D)
+    probs = softmax_rows(qkv_[0] @ qkv_[1].transpose(-1, -2) / 2.0, ~am) * z / (1 - p)
+    y_ref = (probs @ qkv_[2]).transpose(1, 2).reshape(2, 5, 8) @ w_out.T + b_out
+    want = torch.autograd.grad(y_ref, (xr, *params), dy)
+    assert rel_err(y, y_ref) <= REL and rel_err(w, probs) <= REL  # weights after dropout, as torch
+    for g, wnt in zip(got, want, strict=True):
+        assert rel_err(g, wnt) <= REL
+
+
 @pytest.mark.skipif(HAS_DROPOUT, reason="the core has dropout; the guard is not reached")
 def test_sdpa_dropout_guard_is_clear():
     q, k, v = qkv((1, 2, 3, 2), (1, 2, 4, 2))
@@ -386,6 +447,7 @@ MHA_GRID = [
 ]
 
 
+@pytest.mark.filterwarnings("ignore:Support for mismatched key_padding_mask")  # torch's, kpm_bool_attn_float
 @pytest.mark.parametrize(("config", "conv", "weights"), MHA_GRID)
 def test_mha_equals_torch_for_every_mask_convention(config, conv, weights):
     make, needs_bias = MASK_CONVENTIONS[conv]
@@ -408,6 +470,21 @@ def test_mha_equals_torch_for_every_mask_convention(config, conv, weights):
     assert set(grads) == set(grads_ref)
     for n in grads:
         assert rel_err(grads[n], grads_ref[n]) <= REL, n
+
+
+def test_mha_float_masks_requiring_grad_get_torchs_gradient():
+    ours, ref = mha_pair(embed_dim=8, num_heads=2)
+    x, kv, val = mha_inputs(MHA_CONFIGS["packed"])
+    g = torch.Generator().manual_seed(6)
+    masks = {"attn_mask": torch.randn(6, 4, 6, dtype=DT, generator=g), "key_padding_mask": torch.randn(3, 6, dtype=DT, generator=g)}
+    results = []
+    for module in (ours, ref):
+        ms = {n: leaf(m) for n, m in masks.items()}
+        y, _ = module(x, kv, val, **ms)
+        y.backward(torch.randn(y.shape, dtype=DT, generator=torch.Generator().manual_seed(2)))
+        results.append((y, ms["attn_mask"].grad, ms["key_padding_mask"].grad))
+    for a, b in zip(*results, strict=True):
+        assert rel_err(a, b) <= REL
 
 
 def test_mha_unbatched_equals_torch():
@@ -455,15 +532,20 @@ def test_mha_row_with_no_key_gives_zero():
     assert torch.isfinite(x.grad).all()
 
 
-def test_mha_weights_are_not_differentiable_and_not_aliased():
+def test_mha_weights_not_aliased_and_a_gradient_through_them_refused():
     ours, _ = mha_pair(embed_dim=4, num_heads=2, batch_first=True)
     x = torch.randn(1, 3, 4, dtype=DT, requires_grad=True)
     y, w = ours(x, x, x, average_attn_weights=False)
-    assert not w.requires_grad
     (g0,) = torch.autograd.grad(y.sum(), x, retain_graph=True)
-    w.add_(1.0)  # the caller's copy; the layer's cache is untouched
-    (g1,) = torch.autograd.grad(y.sum(), x)
+    with torch.no_grad():
+        w.add_(1.0)  # the caller's tensor; the layer's cache is untouched
+    (g1,) = torch.autograd.grad(y.sum(), x, retain_graph=True)
     assert torch.equal(g0, g1)
+    with pytest.raises(NotImplementedError, match="attention weights"):
+        (y.sum() + w.sum()).backward()  # never a silently missing term
+    y, w = ours(x, x, x)
+    (g2,) = torch.autograd.grad(y.sum() + 0.0 * w.detach().sum(), x)
+    assert torch.equal(g0, g2)
 
 
 def test_mha_refuses_what_it_does_not_implement():

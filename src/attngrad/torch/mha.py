@@ -20,9 +20,10 @@ PyTorch's conventions are translated here, at the edge, and nowhere else:
   too); attngrad applies the causal rule (top-left) AND ``attn_mask``.
 
 Differences from torch, on purpose: a query row with no key to attend gives 0 (torch's
-``need_weights=True`` path gives NaN there); the returned attention weights carry no
-gradient (they are marked non-differentiable: a loss through them is refused by torch, not
-silently wrong); ``add_bias_kv`` and ``add_zero_attn`` are refused.
+``need_weights=True`` path gives NaN there); a gradient flowing into the returned
+attention weights (after dropout, as torch's) is refused with an error in the backward
+(attngrad's layer differentiates its output only); ``add_bias_kv`` and ``add_zero_attn``
+are refused.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.function import once_differentiable
 
+from attngrad.core import dropout_mask
 from attngrad.layers import key_mask_from_torch, mha_backward, mha_forward
 from attngrad.torch.sdpa import dropout_options
 
@@ -76,15 +78,21 @@ def _layer_kwargs(bias, options: LayerOptions) -> dict:
     return kwargs
 
 
-def _weights(attn_cache, lq: int, lk: int):
-    """The attention probabilities P (B, H, Lq, Lk) of a dense attngrad forward, as a copy."""
-    p = getattr(attn_cache, "p", None)  # (B, Hkv, G*Lq, Lk)
+def _weights(attn_cache, lq: int, lk: int, options: LayerOptions):
+    """The attention weights (B, H, Lq, Lk) of a dense attngrad forward, as a new tensor:
+    P, or after dropout P * Z / (1 - p) with the forward's own mask Z, as torch returns."""
+    p = getattr(attn_cache, "p", None)  # (B, Hkv, G*Lq, Lk), before dropout
     if p is None:
         raise RuntimeError(
             "need_weights=True needs the probabilities P of attngrad's dense forward "
             f"(its cache has no field 'p': {type(attn_cache).__name__})"
         )
-    return p.reshape(p.shape[0], -1, lq, lk).clone()  # (B, H, Lq, Lk), not aliased by the cache
+    w = p.reshape(p.shape[0], -1, lq, lk)  # (B, H, Lq, Lk)
+    if not options.dropout_p:
+        return w.clone()  # not aliased by the cache
+    z = dropout_mask(options.dropout_seed, tuple(w.shape), options.dropout_p)  # (B, H, Lq, Lk)
+    z = torch.as_tensor(z, device=w.device)
+    return torch.where(z, w * (1.0 / (1.0 - options.dropout_p)), torch.zeros((), dtype=w.dtype))  # (V3)
 
 
 class MHAFunction(torch.autograd.Function):
@@ -100,18 +108,26 @@ class MHAFunction(torch.autograd.Function):
         )  # (M1)-(M4) (B, Lq, E)
         ctx.cache = cache  # memory: C (B, Lq, E), P (B, H, Lq, Lk), inputs and params by reference
         ctx.packed = w_in is not None
+        ctx.out_shape, ctx.out_dtype, ctx.out_device = tuple(y.shape), y.dtype, y.device
         # saved only so that autograd refuses a backward after an in-place change of an input
         ctx.save_for_backward(query, key, value, w_in, w_q, w_k, w_v, b_in, w_out, b_out, bias)
         if not options.need_weights:
             return y
-        weights = _weights(cache.attn, query.shape[1], key.shape[1])  # (B, H, Lq, Lk)
-        ctx.mark_non_differentiable(weights)
-        return y, weights
+        ctx.set_materialize_grads(False)  # an unused weights output sends None, not zeros
+        return y, _weights(cache.attn, query.shape[1], key.shape[1], options)  # (B, H, Lq, Lk)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, dy, *_unused_dweights):
+    def backward(ctx, dy, dweights=None):
         _ = ctx.saved_tensors  # raises if an input was modified in place since the forward
+        if dweights is not None and bool(torch.any(dweights != 0)):
+            raise NotImplementedError(
+                "attngrad.torch.MultiheadAttention differentiates its output only: a loss that "
+                "uses the returned attention weights needs torch.nn.MultiheadAttention (or "
+                "weights.detach() where no gradient through them is meant)"
+            )
+        if dy is None:  # only the weights were used, with a zero gradient
+            dy = torch.zeros(ctx.out_shape, dtype=ctx.out_dtype, device=ctx.out_device)
         inputs, grads = mha_backward(dy.contiguous(), ctx.cache)  # (M5)-(M9)
         dw = [grads[w].T for w in ("W_q", "W_k", "W_v")]  # torch's (out, in) layout
         d_in = torch.cat(dw) if ctx.packed else None  # (3E, E)
