@@ -1,0 +1,167 @@
+"""The tiled path's fused tile kernels (core/fused.py, numba) against its NumPy code.
+
+Both runs of each case go through ``sdpa_forward(impl="tiled")``; the NumPy one is forced
+with ``ATTNGRAD_NO_NUMBA=1``.  float64: max rel err <= 1e-10 between the two, over every
+variant.  float32: each is measured against a float64 run; the fused error may be at most
+2x the NumPy error plus a floor of a few ulps (FlashAttention's rule, RELIABILITY 24).
+Results are bitwise identical across calls and thread counts 1, 2, 3 on both.  Without
+numba everything runs on the NumPy code (tested by hiding the kernels).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import attngrad as ag
+from attngrad.core import fused
+from attngrad.core.tiled import make_tiling
+from conftest import assert_close_rel
+
+needs_numba = pytest.mark.skipif(
+    not fused.numba_available(), reason="numba is not installed (the 'fast' extra)"
+)
+
+# (B, H, Hkv, Lq, Lk, D, Dv): GQA, odd lengths and dims, Lq != Lk both ways.
+SHAPES = [(2, 4, 2, 37, 29, 7, 5), (1, 2, 1, 13, 40, 16, 3)]
+TILES = [(8, 16), (5, 7), (64, 64)]
+VARIANTS = {
+    "plain": {},
+    "causal": {"causal": "bottom_right"},
+    "softcap": {"softcap": 2.5},
+    "sinks": {"sinks": "h"},
+    "alibi": {"alibi_slopes": "h", "causal": "top_left"},
+    "window": {"window": (5, 2)},
+    "segments": {"segments": True},
+    "dropout": {"dropout_p": 0.25, "dropout_seed": 11},
+    "bias+scale_grad": {"bias": "bcast", "scale_grad": True, "scale": 0.37},
+    "bool mask+key_lengths": {"mask": True, "key_lengths": True},
+}
+ULPS = 8
+EPS32 = float(np.finfo(np.float32).eps)
+
+
+def _case(seed, shape, variant):
+    B, H, Hkv, Lq, Lk, D, Dv = shape
+    rng = np.random.default_rng(seed)
+    x = {"q": rng.standard_normal((B, H, Lq, D)), "k": rng.standard_normal((B, Hkv, Lk, D)),
+         "v": rng.standard_normal((B, Hkv, Lk, Dv)), "dout": rng.standard_normal((B, H, Lq, Dv))}
+    opts = dict(VARIANTS[variant])
+    if opts.pop("segments", False):
+        opts["q_segment_ids"] = np.sort(rng.integers(0, 3, (B, Lq)), axis=1)
+        opts["kv_segment_ids"] = np.sort(rng.integers(0, 3, (B, Lk)), axis=1)
+    if opts.get("sinks") == "h":
+        opts["sinks"] = rng.standard_normal(H)
+    if opts.get("alibi_slopes") == "h":
+        opts["alibi_slopes"] = rng.uniform(0.01, 0.3, H)
+    if opts.get("bias") == "bcast":
+        opts["bias"] = rng.standard_normal((H, 1, Lk))
+    if opts.pop("mask", False):
+        m = rng.random((B, H, Lq, Lk)) < 0.6
+        m[0, 0, 0] = False  # a row with nothing to attend
+        opts["mask"] = m
+    if opts.pop("key_lengths", False):
+        opts["key_lengths"] = rng.integers(1, Lk + 1, B)
+    return x, opts
+
+
+def _run(x, opts, dtype, use_fused, monkeypatch, **tiles):
+    monkeypatch.setenv(fused.ENV_DISABLE, "0" if use_fused else "1")
+    cast = {n: np.asarray(a, dtype=dtype) for n, a in x.items()}
+    o = {n: (a.astype(dtype) if isinstance(a, np.ndarray) and a.dtype.kind == "f" else a)
+         for n, a in opts.items()}
+    out, cache = ag.sdpa_forward(cast["q"], cast["k"], cast["v"], impl="tiled", **o, **tiles)
+    assert cache.tiling.fused is use_fused
+    return {"out": out, **ag.sdpa_backward(cast["dout"], cache)}
+
+
+@needs_numba
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("shape", SHAPES)
+def test_fused_equals_numpy_float64(shape, variant, monkeypatch):
+    x, opts = _case(3, shape, variant)
+    for i, (bq, bk) in enumerate(TILES):
+        tiles = {"block_q": bq, "block_k": bk, "threads": 1 + i % 2}
+        ref = _run(x, opts, np.float64, False, monkeypatch, **tiles)
+        got = _run(x, opts, np.float64, True, monkeypatch, **tiles)
+        assert_close_rel(got, ref, what=f"{shape} {variant} tiles {bq}x{bk}: ")
+
+
+def _err(got, ref):
+    return {n: float(np.max(np.abs(np.asarray(got[n], np.float64) - ref[n]), initial=0.0)) for n in ref}
+
+
+@needs_numba
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("shape", SHAPES)
+def test_fused_float32_within_twice_numpy(shape, variant, monkeypatch):
+    x, opts = _case(5, shape, variant)
+    tiles = {"block_q": 8, "block_k": 16, "threads": 2}
+    ref = _run(x, opts, np.float64, False, monkeypatch, **tiles)
+    e_np = _err(_run(x, opts, np.float32, False, monkeypatch, **tiles), ref)
+    e_fu = _err(_run(x, opts, np.float32, True, monkeypatch, **tiles), ref)
+    for n in ref:
+        floor = ULPS * EPS32 * float(np.max(np.abs(ref[n]), initial=0.0))
+        assert e_fu[n] <= 2.0 * e_np[n] + floor, f"{variant} {n}: fused {e_fu[n]:.3g} vs NumPy {e_np[n]:.3g}"
+
+
+@needs_numba
+@pytest.mark.parametrize("use_fused", [True, False])
+def test_bitwise_identical_across_calls_and_thread_counts(use_fused, monkeypatch):
+    x, opts = _case(7, (2, 4, 2, 33, 41, 8, 6), "bias+scale_grad")
+    opts.update(sinks=np.linspace(-1, 1, 4), alibi_slopes=np.linspace(0.05, 0.2, 4),
+                softcap=3.0, dropout_p=0.1, dropout_seed=4)
+    first = None
+    for threads in (1, 2, 3, 2, 1, 3):
+        got = _run(x, opts, np.float32, use_fused, monkeypatch, block_q=8, block_k=16, threads=threads)
+        if first is None:
+            first = got
+        for n, a in got.items():
+            assert a.tobytes() == first[n].tobytes(), f"{n} differs with threads={threads}"
+
+
+@needs_numba
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_kernel_exp_is_accurate_and_keeps_inf_and_nan(dtype):
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.uniform(-87.0, 88.0, 200_000), rng.uniform(-1, 1, 1000), [0.0]]).astype(dtype)
+    ref = np.exp(x.astype(np.float64))
+    ulps = np.abs(fused.exp(x) - ref) / np.spacing(ref.astype(dtype)).astype(np.float64)
+    assert ulps.max() <= 1.0, f"max error {ulps.max():.3f} ulp"
+    special = np.array([-np.inf, -1e4, np.nan, 0.0], dtype=dtype)
+    got = fused.exp(special)
+    assert got[0] == 0 and got[1] == 0 and np.isnan(got[2]) and got[3] == 1
+
+
+@needs_numba
+def test_masked_nan_keys_stay_out_of_the_fused_path(monkeypatch):
+    x, _ = _case(9, (1, 2, 2, 20, 24, 8, 8), "plain")
+    x["k"][:, :, 20:] = np.nan  # padded keys hold NaN
+    x["v"][:, :, 20:] = 1e30
+    opts = {"key_lengths": np.array([20]), "causal": "bottom_right"}
+    for dtype in (np.float32, np.float64):
+        got = _run(x, opts, dtype, True, monkeypatch, block_q=8, block_k=16, threads=1)
+        for n, a in got.items():
+            assert np.all(np.isfinite(a)), f"{n} not finite ({dtype.__name__})"
+
+
+def test_selection_follows_numba_and_the_environment(monkeypatch):
+    monkeypatch.setenv(fused.ENV_DISABLE, "1")
+    assert make_tiling().fused is False
+    monkeypatch.setenv(fused.ENV_DISABLE, "0")
+    assert make_tiling().fused is fused.numba_available()
+    monkeypatch.delenv(fused.ENV_DISABLE)
+    assert make_tiling().fused is fused.numba_available()
+
+
+def test_without_numba_the_numpy_code_runs(monkeypatch):
+    monkeypatch.delenv(fused.ENV_DISABLE, raising=False)
+    monkeypatch.setattr(fused, "_KERNELS", False)  # as if numba were not installed
+    assert not fused.enabled() and not fused.numba_available()
+    with pytest.raises(RuntimeError, match="numba"):
+        fused.kernels()
+    x, opts = _case(2, SHAPES[0], "dropout")
+    got = _run(x, opts, np.float64, False, monkeypatch, block_q=8, block_k=8, threads=1)
+    dense_out, cache = ag.sdpa_forward(x["q"], x["k"], x["v"], impl="dense", **opts)
+    ref = {"out": dense_out, **ag.sdpa_backward(x["dout"], cache)}
+    assert_close_rel(got, ref, what="no numba: ")
