@@ -16,6 +16,8 @@ from .layernorm import layernorm_backward, layernorm_forward
 from .linear import linear_backward, linear_forward
 from .loss import cross_entropy_backward, cross_entropy_forward
 from .positional import positional_backward, positional_forward, sinusoidal_table
+from .rmsnorm import rmsnorm_backward, rmsnorm_forward
+from .swiglu import swiglu_backward, swiglu_forward
 
 __all__ = [
     "ACTIVATIONS",
@@ -41,5 +43,9 @@ __all__ = [
     "linear_forward",
     "positional_backward",
     "positional_forward",
+    "rmsnorm_backward",
+    "rmsnorm_forward",
     "sinusoidal_table",
+    "swiglu_backward",
+    "swiglu_forward",
 ]
