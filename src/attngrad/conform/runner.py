@@ -110,13 +110,15 @@ def _run_case(target, case: Case, *, rtol: float, factor: float) -> CaseResult:
         return CaseResult(case.id, case.family, REFUSED, f"{type(exc).__name__}: {text}"[:300])
     verdict, reason, errors = judge(grad_names(case), case.dtype, ref, got, plain,
                                     rtol=rtol, factor=factor)
-    if case.probe == "determinism" and verdict == PASS:
+    if case.probe == "determinism" and verdict in (PASS, FAIL):
         try:
             diff = determinism(target, problem, got)
         except Exception as exc:
             diff = f"the second run raised {type(exc).__name__}: {exc}"
-        if diff:
+        if diff and verdict == PASS:
             verdict, reason = NONDET, diff
+        elif diff:  # wrong, and not reproducible either
+            reason = f"{reason}; also non-deterministic: {diff}"
     return CaseResult(case.id, case.family, verdict, reason, errors)
 
 
