@@ -164,6 +164,21 @@ def test_sdpa_equals_torch_hypothesis(b, hkv, g, lq, lk, d, dv, mask_kind, causa
         assert rel_err(grads[n], ref_grads[n]) <= REL, n
 
 
+@pytest.mark.parametrize("name", ["bool_full", "float_grad", "gqa_causal_float", "causal_lq_gt_lk"])
+def test_sdpa_float32_within_twice_torchs_error(name):
+    """FlashAttention's rule: float32 error vs a float64 reference at most 2x torch's float32
+    error (plus a floor of a few float32 ulps of the largest value)."""
+    args64 = sdpa_args(SDPA_CASES[name]())
+    args32 = {n: a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for n, a in args64.items()}
+    (_, _), (ref64, ref64_grads) = run_both(args64)
+    (ours, ours_grads), (torch32, torch32_grads) = run_both(args32)
+    assert ours.dtype == torch.float32
+    pairs = [(ours, torch32, ref64)] + [(ours_grads[n], torch32_grads[n], ref64_grads[n]) for n in ref64_grads]
+    for a, t32, r in pairs:
+        floor = 4 * torch.finfo(torch.float32).eps * r.abs().max().item()
+        assert (a.double() - r).abs().max().item() <= 2 * (t32.double() - r).abs().max().item() + floor
+
+
 GRADCHECK_CASES = {
     "bool_mask_gqa": dict(shapes=((1, 4, 3, 2), (1, 2, 4, 2)), gqa=True, mask="bool"),
     "causal": dict(shapes=((2, 2, 4, 3), (2, 2, 4, 3)), causal=True),
