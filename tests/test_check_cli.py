@@ -203,3 +203,21 @@ def test_readme_sample_is_a_real_run(capsys):
     assert len(shown) >= 8
     for line in shown:
         assert mask(line) in real_lines, line
+
+
+def test_float32_is_judged_by_flashattention_rule(monkeypatch):
+    """float32: against autograd in float64, at most 2x torch's own float32 error (plus a
+    rounding floor); a gradient 1e-4 off is caught."""
+    pytest.importorskip("torch")
+    report = run_check(CheckConfig(flavors=("self",), dtype="float32"))
+    assert report.passed and {r.reference for r in report.records} == {runner_mod.AUTOGRAD_F64}
+    real = runner_mod.closed_form_gradients
+
+    def broken(case):
+        grads = real(case)
+        grads["W_v"] = grads["W_v"] * np.float32(1 + 1e-4)
+        return grads
+
+    monkeypatch.setattr(runner_mod, "closed_form_gradients", broken)
+    failed = {r.gradient for r in run_check(CheckConfig(flavors=("self",), dtype="float32")).records if not r.passed}
+    assert failed == {"W_v"}

@@ -2,8 +2,9 @@
 
 For each flavor: every gradient (inputs X, M and every parameter) of L = sum(Y * G) from
 :func:`attngrad.mha_backward`, compared with
-- PyTorch autograd in the same dtype (when torch is installed): float64 passes at
-  max rel err <= 1e-10, float32 per torch.testing's defaults (rtol 1.3e-6, atol 1e-5);
+- PyTorch autograd (when torch is installed): float64 passes at max rel err <= 1e-10;
+  float32 by FlashAttention's rule: its error against autograd in float64 at most twice
+  that of autograd in float32, plus a rounding floor of a few ulps;
 - central finite differences of the library's own forward, float64 only
   (gradcheck's eps 1e-6, atol 1e-5, rtol 1e-3): element by element for small cases, along
   random unit directions for large ones (gradcheck's fast mode; budget.py decides).
@@ -35,9 +36,10 @@ from .finite_diff import (
 from .torch_reference import torch_available, torch_gradients
 
 REL_TOL_F64 = 1e-10
-F32_RTOL, F32_ATOL = 1.3e-6, 1e-5
+F32_ULPS = 8  # the low-precision rule's rounding floor, in ulps of the case's largest gradient
 
 AUTOGRAD = "torch autograd"
+AUTOGRAD_F64 = "torch float64"  # low-precision runs: measured against autograd in float64
 FINITE_DIFF = "finite differences"
 RANDOM_FD = "random-direction FD"
 
@@ -159,18 +161,43 @@ def directional_derivatives(case: Case, grads: dict, rng: np.random.Generator,
     return out
 
 
+def as_float64(case: Case) -> Case:
+    """The same case in float64 (the reference of a low-precision run)."""
+    def f64(d):
+        return {k: np.asarray(v, dtype=np.float64) for k, v in d.items()}
+
+    return case._replace(params=f64(case.params), inputs=f64(case.inputs),
+                         upstream=np.asarray(case.upstream, dtype=np.float64))
+
+
 def _compare_autograd(case: Case, grads: dict, dtype: str) -> list[Record]:
+    """float64: closed form against autograd at rel <= 1e-10.  Lower precision:
+    FlashAttention's rule, against a float64 autograd reference: the closed form's error at
+    most twice that of PyTorch's own run in the same dtype, plus a rounding floor of
+    F32_ULPS ulps of the case's largest gradient S (comparing two float32 results with each
+    other would fail correct code on long sums; a gradient that vanishes in exact arithmetic,
+    dL/db^K, is round-off against S, as in the relative error)."""
     ref = torch_gradients(case)
-    floor = REL_FLOOR * case_scale(ref)
+    if dtype == "float64":
+        floor = REL_FLOOR * case_scale(ref)
+        records = []
+        for name, g in grads.items():
+            abs_err, rel = errors(g, ref[name], floor)
+            ok = rel <= REL_TOL_F64
+            records.append(Record(case.flavor, name, tuple(g.shape), AUTOGRAD, abs_err, rel,
+                                  f"rel <= {REL_TOL_F64:g}", bool(ok)))
+        return records
+    ref64 = torch_gradients(as_float64(case))
+    scale = case_scale(ref64)
+    rounding = F32_ULPS * float(np.finfo(np.dtype(dtype)).eps) * scale
     records = []
     for name, g in grads.items():
-        abs_err, rel = errors(g, ref[name], floor)
-        if dtype == "float64":
-            tol, ok = f"rel <= {REL_TOL_F64:g}", rel <= REL_TOL_F64
-        else:
-            tol = f"|a-r| <= {F32_ATOL:g} + {F32_RTOL:g}|r|"
-            ok = bool(np.all(np.abs(g - ref[name]) <= F32_ATOL + F32_RTOL * np.abs(ref[name])))
-        records.append(Record(case.flavor, name, tuple(g.shape), AUTOGRAD, abs_err, rel, tol, bool(ok)))
+        abs_err, rel = errors(g, ref64[name], REL_FLOOR * scale)
+        torch_err = errors(ref[name], ref64[name])[0]
+        bound = 2.0 * torch_err + rounding
+        tol = f"|a-r64| <= 2 x torch {dtype} err + {F32_ULPS} ulp"
+        records.append(Record(case.flavor, name, tuple(g.shape), AUTOGRAD_F64, abs_err, rel, tol,
+                              bool(abs_err <= bound)))
     return records
 
 
