@@ -109,6 +109,13 @@ def test_non_deterministic_is_not_wrong():
     assert report.counts["fail"] == 0
 
 
+def test_a_wrong_and_non_deterministic_answer_says_both():
+    case = next(c for c in TINY if c.family == "determinism")
+    report = conform(NumpyAttention("dq_random_order"), cases=[case], rtol=1e-30)
+    r = report.results[0]
+    assert r.verdict == "fail" and "also non-deterministic" in r.reason
+
+
 def test_float16_accumulation_fails_the_factor_rule_but_float64_passes():
     report = conform(NumpyAttention("fp16_accum"), cases=TINY)
     f32 = next(r for r in report.results if r.family == "float32")
