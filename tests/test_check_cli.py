@@ -221,3 +221,29 @@ def test_float32_is_judged_by_flashattention_rule(monkeypatch):
     monkeypatch.setattr(runner_mod, "closed_form_gradients", broken)
     failed = {r.gradient for r in run_check(CheckConfig(flavors=("self",), dtype="float32")).records if not r.passed}
     assert failed == {"W_v"}
+
+
+def test_readme_first_command_installs_every_optional_extra():
+    """The README's first command must install what the README's own examples need: every
+    optional extra (torch for check/bench, plot for train's figures, ...), not torch alone."""
+    import re
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).parent.parent
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    readme = (root / "README.md").read_text(encoding="utf-8")
+    first = re.search(r"python -m pip install -e '\.\[([\w,]+)\]' && attngrad check", readme)
+    assert first, "the README's first command is not `pip install -e '.[...]' && attngrad check`"
+
+    def expand(names):
+        out = set()
+        for n in names:
+            out.add(n)
+            for dep in extras[n]:
+                m = re.fullmatch(r"attngrad\[([\w,]+)\]", dep)
+                if m:
+                    out |= expand(m.group(1).split(","))
+        return out
+
+    assert expand(first.group(1).split(",")) >= set(extras) - {"test", "all"}
