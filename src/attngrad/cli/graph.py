@@ -7,6 +7,8 @@ from pathlib import Path
 
 from ..formulas import FLAVORS, GRAPH_FORMATS, GraphvizError, write_graph
 from ..formulas.rope_norm import EXTRA
+from ..formulas.variants import variant_key
+from .check import parse_variants
 
 SUFFIXES = {"dot": "dot", "gv": "dot", **{f: f for f in GRAPH_FORMATS}}
 
@@ -39,9 +41,12 @@ def register(sub) -> None:
             "image for .svg/.png, which need Graphviz's `dot`). Exits 1 if Graphviz fails."
         ),
     )
-    p.add_argument("--flavor", choices=[*FLAVORS, "all", *EXTRA], default="self",
+    p.add_argument("--flavor", choices=[*FLAVORS, "all", *EXTRA], default=None,
                    help="which flavor (default: self); rope, qk-norm, qk-norm-layer: the rotation and "
                         "the normalisation of each head's queries and keys")
+    p.add_argument("--variant", type=parse_variants, default=None, metavar="NAMES",
+                   help="instead of a flavor: the attention core of one head with today's variants, 'all' "
+                        "or a comma list of sinks,softcap,alibi,window,segments,dropout,scale (V1-V7)")
     p.add_argument("-o", "--output", required=True, metavar="FILE",
                    help=f"output file: {', '.join('.' + s for s in SUFFIXES)} (the suffix sets the format)")
     p.add_argument("--format", choices=GRAPH_FORMATS, default=None, dest="fmt",
@@ -50,9 +55,12 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    if args.variant is not None and args.flavor is not None:
+        raise ValueError(f"--variant draws the attention core of one head; --flavor {args.flavor} cannot apply")
+    flavor = variant_key(args.variant) if args.variant is not None else (args.flavor or "self")
     fmt = output_format(args.output, args.fmt)
     try:
-        written = write_graph(args.flavor, args.output, fmt)
+        written = write_graph(flavor, args.output, fmt)
     except GraphvizError as exc:
         print(f"attngrad graph: error: {exc}", file=sys.stderr)
         return 1

@@ -33,6 +33,7 @@ from .expr import (
     Sym,
 )
 from .rope_norm import EXTRA, extra_catalogue
+from .variants import is_variant_key, variant_catalogue
 
 FLAVORS = ("self", "cross", "causal")
 
@@ -62,6 +63,7 @@ class Catalogue(NamedTuple):
     sections: tuple  # of Section
     title: str = ""  # the document's title (default: FLAVOR_TITLES[flavor])
     notes: str = ""  # its closing notes (default: the flavor's "Masks and scale")
+    notation: tuple = ()  # its notation table (default: the flavors' or RoPE/QK-norm's)
 
 
 def _symbols(flavor: str) -> dict:
@@ -115,6 +117,8 @@ def catalogue(flavor: str) -> Catalogue:
     RoPE and QK-norm (rope_norm.EXTRA: "rope", "qk-norm", "qk-norm-layer")."""
     if flavor in EXTRA:
         return extra_catalogue(flavor, Catalogue, Section)
+    if is_variant_key(flavor):  # "variant:sinks,softcap": today's variants (variants.py, V1-V7)
+        return variant_catalogue(flavor, Catalogue, Section)
     if flavor not in FLAVORS:
         raise ValueError(f"flavor must be one of {', '.join((*FLAVORS, *EXTRA))}; got {flavor!r}")
     S = _symbols(flavor)

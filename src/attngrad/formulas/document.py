@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from .catalogue import FLAVOR_TITLES, FLAVORS, Catalogue, catalogue
 from .rope_norm import EXTRA, EXTRA_NOTATION
+from .variants import variant_key
 
 FORMATS = ("text", "markdown", "latex")
 
@@ -43,6 +44,7 @@ _LATEX_PROSE = {
     "δ": r"$\delta$", "𝓜": r"$\mathcal{M}$", "ᵀ": r"$^{\top}$", "∘": r"$\odot$", "…": r"\dots{}",
     "−": "-", "√": r"$\surd$", "Σ": r"$\Sigma$", "≤": r"$\le$", "·": r"$\cdot$", "∂": r"$\partial$",
     "_": r"\_", "^": r"\^{}", "&": r"\&", "%": r"\%", "#": r"\#",
+    "⁰": r"$^0$", "¹": r"$^1$", "²": r"$^2$", "\u0303": r"\~{}", "Δ": r"$\Delta$", "ℓ": r"$\ell$",  # variants
 }
 
 
@@ -57,9 +59,15 @@ def render(cat: Catalogue, fmt: str) -> str:
     return {"text": _text, "markdown": _markdown, "latex": _latex}[fmt](cat)
 
 
-def derive_document(flavor: str = "all", fmt: str = "text") -> str:
-    """What ``attngrad derive --flavor FLAVOR --format FMT`` prints."""
-    if flavor != "all" and flavor not in (*FLAVORS, *EXTRA):
+def derive_document(flavor: str = "all", fmt: str = "text", variants=None) -> str:
+    """What ``attngrad derive --flavor FLAVOR --format FMT`` prints; with ``variants`` (some
+    of formulas.variants.VARIANTS, or "all"), what ``--variant`` prints instead: the
+    attention core of one head with those variants (V1-V7)."""
+    if variants is not None:
+        if flavor != "all":
+            raise ValueError(f"variants print the attention core of one head; flavor={flavor!r} cannot apply")
+        flavor = variant_key(variants)
+    elif flavor != "all" and flavor not in (*FLAVORS, *EXTRA):
         raise ValueError(f"flavor must be one of {', '.join((*FLAVORS, *EXTRA))} or all; got {flavor!r}")
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {', '.join(FORMATS)}; got {fmt!r}")
@@ -83,7 +91,7 @@ def _closing(cat: Catalogue) -> tuple:
 
 
 def _notation(cat: Catalogue) -> tuple:
-    return EXTRA_NOTATION if cat.flavor in EXTRA else NOTATION
+    return cat.notation or (EXTRA_NOTATION if cat.flavor in EXTRA else NOTATION)
 
 
 def _text(cat: Catalogue) -> str:

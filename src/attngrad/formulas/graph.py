@@ -16,6 +16,7 @@ from pathlib import Path
 from .catalogue import FLAVOR_TITLES, FLAVORS, Catalogue, catalogue
 from .expr import Add, Expr
 from .rope_norm import EXTRA
+from .variants import is_variant_key
 
 GRAPH_FORMATS = ("dot", "svg", "png")
 _HEAD = ("Q_h", "K_h", "V_h", "S_h", "P_h", "O_h", "dQ_h")
@@ -43,16 +44,16 @@ def _terms(e: Expr):
 def _kind(name: str, cat: Catalogue, defined: set) -> str:
     if name == "L":
         return "loss"
-    if name in ("X", "M"):
+    if name in ("X", "M") or (name in ("Q_h", "K_h", "V_h") and name not in defined):  # the variants' inputs
         return "input"
-    if name.startswith(("W_", "b_")) or name == "w":  # w: a QK-norm weight
+    if name.startswith(("W_", "b_")) or name in ("w", "z", "a", "Bias"):  # QK-norm weight; sinks, slopes, bias
         return "param"
     return "value" if name in defined else "const"
 
 
 def _ident(name: str) -> str:
-    """A DOT identifier from a flavor name ("qk-norm" -> "qk_norm")."""
-    return name.replace("-", "_")
+    """A DOT identifier from a flavor name ("qk-norm" -> "qk_norm", "variant:sinks,scale" -> "variant_sinks_scale")."""
+    return "".join(ch if ch.isalnum() or ch == "_" else "_" for ch in name)
 
 
 def _quote(s: str) -> str:
@@ -82,7 +83,7 @@ def graph_edges(cat: Catalogue):
 def graph_dot(flavor: str) -> str:
     """The DOT source of one flavor's graph ("all": the three side by side)."""
     flavors = FLAVORS if flavor == "all" else (flavor,)
-    if flavor != "all" and flavor not in (*FLAVORS, *EXTRA):
+    if flavor != "all" and flavor not in (*FLAVORS, *EXTRA) and not is_variant_key(flavor):
         raise ValueError(f"flavor must be one of {', '.join((*FLAVORS, *EXTRA))} or all; got {flavor!r}")
     out = ["digraph attngrad {", '  rankdir=TB; newrank=true; fontname="Helvetica";',
            '  node [fontname="Helvetica", fontsize=11]; edge [fontname="Helvetica", fontsize=9];',
