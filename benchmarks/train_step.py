@@ -52,8 +52,8 @@ def main() -> None:
                                    batch_first=True, norm_first=True),
         "out": torch.nn.Linear(E, V),
     }).to(tdt)
-    topt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), eps=1e-9,
-                             weight_decay=cfg.weight_decay)
+    topt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=(0.9, 0.98), eps=1e-9,
+                             weight_decay=cfg.optim.weight_decay)
     src, tin, tout = (torch.from_numpy(batch[k]) for k in ("src", "tgt_in", "tgt_out"))
     src_pad = src == D.PAD
     causal = torch.nn.Transformer.generate_square_subsequent_mask(tin.shape[1], dtype=tdt)
@@ -76,9 +76,9 @@ def main() -> None:
         logits = model["out"](h)
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, V), tout.reshape(-1), ignore_index=D.PAD)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.clip)
         for g in topt.param_groups:
-            g["lr"] = lr_at(step, cfg.steps, cfg.optim_config)
+            g["lr"] = lr_at(step, cfg.steps, cfg.optim)
         topt.step()
         return loss.item()
 
