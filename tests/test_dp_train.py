@@ -132,6 +132,21 @@ if __name__ != "__main__":
         assert code == 2 and words in err and len(err.strip().splitlines()) == 1, err
         assert not (tmp_path / "x").exists()
 
+    @pytest.mark.parametrize("world", [1, 2, 3, 5, 8])
+    def test_every_row_goes_to_exactly_one_rank(world):
+        from attngrad.distributed.dp import DataParallel
+
+        batch = {"src": np.arange(8 * 3).reshape(8, 3), "tgt": np.arange(8)}
+        parts = []
+        for r in range(world):
+            dp = DataParallel.__new__(DataParallel)  # no process group needed for the split
+            dp.rank, dp.world = r, world
+            parts.append(dp.local_batch(batch))
+        sizes = [len(p["tgt"]) for p in parts]
+        assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
+        assert np.array_equal(np.concatenate([p["tgt"] for p in parts]), batch["tgt"])
+        assert np.array_equal(np.concatenate([p["src"] for p in parts]), batch["src"])
+
     def test_rank_command_line_keeps_the_options():
         from attngrad.cli.main import build_parser
         from attngrad.distributed.trainrun import rank_argv
