@@ -7,36 +7,9 @@ import json
 
 from ..bench import ATTENTION, LAYER, BenchConfig, format_bench, run_bench
 from ..bench.runner import MAX_SETTLE
+from .args import int_at_least, number_in, positive_ints
 
-
-def _ints(text: str) -> tuple:
-    try:
-        values = tuple(int(t) for t in text.split(",") if t.strip())
-    except ValueError:
-        values = ()
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected a comma list of positive integers; got {text!r}")
-    return values
-
-
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        v = 0
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer; got {text!r}")
-    return v
-
-
-def _seconds(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        v = -1.0
-    if not 0 <= v <= MAX_SETTLE:
-        raise argparse.ArgumentTypeError(f"expected seconds in [0, {MAX_SETTLE:g}]; got {text!r}")
-    return v
+_positive_int = int_at_least(1)
 
 
 def _names(table):
@@ -69,24 +42,24 @@ def register(sub) -> None:
             "and the ratio to SDPA. Also the multi-head layer against torch.nn.MultiheadAttention."
         ),
     )
-    p.add_argument("--sizes", type=_ints, default=None, metavar="N[,N...]", help="sequence lengths (default 1024,4096; --quick: 256,1024)")
+    p.add_argument("--sizes", type=positive_ints, default=None, metavar="N[,N...]", help="sequence lengths (default 1024,4096; --quick: 256,1024)")
     p.add_argument("--causal", type=_causal, default=(False, True), help="no, yes or both (default both)")
-    p.add_argument("--batch", type=_positive, default=1, metavar="B", help="batch size (default 1)")
-    p.add_argument("--heads", type=_positive, default=8, metavar="H", help="heads (default 8)")
-    p.add_argument("--head-dim", type=_positive, default=64, metavar="D", help="head dim (default 64)")
+    p.add_argument("--batch", type=_positive_int, default=1, metavar="B", help="batch size (default 1)")
+    p.add_argument("--heads", type=_positive_int, default=8, metavar="H", help="heads (default 8)")
+    p.add_argument("--head-dim", type=_positive_int, default=64, metavar="D", help="head dim (default 64)")
     p.add_argument("--dtype", choices=["float32", "float64"], default="float32", help="dtype (default float32)")
-    p.add_argument("--threads", type=_positive, default=None, help="cores for every contender (default: all)")
-    p.add_argument("--block-q", type=_positive, default=None, help="tiled path: query rows per tile")
-    p.add_argument("--block-k", type=_positive, default=None, help="tiled path: keys per tile")
-    p.add_argument("--rounds", type=_positive, default=None, help="timed rounds (default 5; --quick: 2)")
+    p.add_argument("--threads", type=_positive_int, default=None, help="cores for every contender (default: all)")
+    p.add_argument("--block-q", type=_positive_int, default=None, help="tiled path: query rows per tile")
+    p.add_argument("--block-k", type=_positive_int, default=None, help="tiled path: keys per tile")
+    p.add_argument("--rounds", type=_positive_int, default=None, help="timed rounds (default 5; --quick: 2)")
     p.add_argument("--contenders", type=_names(ATTENTION), default=tuple(ATTENTION), help=f"comma list of {', '.join(ATTENTION)} (default all)")
     p.add_argument("--layer-contenders", type=_names(LAYER), default=None, help=f"comma list of {', '.join(LAYER)} (default torch_mha,attngrad_mha)")
     p.add_argument("--layer", action=argparse.BooleanOptionalAction, default=True, help="also bench the multi-head layer B=4 N=256 E=512 H=8 (default: on)")
     p.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True, help="measure peak extra memory in fresh processes (default: on)")
     p.add_argument("--timing", action=argparse.BooleanOptionalAction, default=True, help="time the contenders (default: on; --no-timing for a memory-only sweep)")
-    p.add_argument("--memory-max-dense-n", type=_positive, default=None, metavar="N", help="largest N at which contenders that keep N x N are measured (default 4096)")
-    p.add_argument("--layer-shape", type=_ints, default=None, metavar="B,N,E,H", help="layer case (default 4,256,512,8)")
-    p.add_argument("--settle", type=_seconds, default=None, metavar="S", help="seconds of idle before each timed call, so other thread pools stop spinning (default 0.15)")
+    p.add_argument("--memory-max-dense-n", type=_positive_int, default=None, metavar="N", help="largest N at which contenders that keep N x N are measured (default 4096)")
+    p.add_argument("--layer-shape", type=positive_ints, default=None, metavar="B,N,E,H", help="layer case (default 4,256,512,8)")
+    p.add_argument("--settle", type=number_in(0.0, MAX_SETTLE), default=None, metavar="S", help="seconds of idle before each timed call, so other thread pools stop spinning (default 0.15)")
     p.add_argument("--quick", action="store_true", help="a short run: N=256,1024, 2 rounds")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
     p.set_defaults(func=run)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
-import math
 import sys
 from pathlib import Path
 
@@ -14,36 +12,8 @@ from ..nn.activations import ACTIVATIONS
 from ..train.data import TASKS
 from ..train.loop import RESUMABLE, TrainConfig, flat_fields, resolve_resume, stored_config, train
 from ..train.text import describe as describe_text
-
-
-def _int(lo: int):
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}; got {text!r}") from None
-        if v < lo:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}; got {v}")
-        return v
-
-    return parse
-
-
-def _float(lo: float, hi: float, hi_open=False):
-    def parse(text: str) -> float:
-        try:
-            v = float(text)
-        except ValueError:
-            v = math.nan
-        ok = math.isfinite(v) and lo <= v and (v < hi if hi_open else v <= hi)
-        if not ok:
-            raise argparse.ArgumentTypeError(
-                f"expected a number in [{lo}, {hi}{')' if hi_open else ']'}; got {text!r}"
-            )
-        return v
-
-    return parse
-
+from .args import int_at_least as _int
+from .args import number_in as _float
 
 _D = TrainConfig().to_flat()  # the defaults, optimizer options included
 
