@@ -9,8 +9,6 @@ inputs, so it is held to float32's tolerance.
 
 from __future__ import annotations
 
-import inspect
-
 import numpy as np
 import pytest
 
@@ -19,12 +17,10 @@ import jax.numpy as jnp  # noqa: E402
 from jax.test_util import check_grads  # noqa: E402
 
 pytest.importorskip("torch")  # the float64 oracle differentiates with torch autograd
-import attngrad  # noqa: E402
 from attngrad.jax import dot_product_attention  # noqa: E402
 from reference import torch_attention_grads  # noqa: E402
 
 REL = 1e-10  # closed form vs autodiff, float64
-HAS_WINDOW = "window" in inspect.signature(attngrad.sdpa_forward).parameters
 
 
 @pytest.fixture(autouse=True)
@@ -203,7 +199,6 @@ def test_row_with_no_key_gives_zero():
     assert np.all(np.isfinite(dq)) and np.all(np.asarray(dq)[1, 3, 2] == 0)
 
 
-@pytest.mark.skipif(not HAS_WINDOW, reason="attngrad's core has no window= yet")
 @pytest.mark.parametrize(("t", "s"), [(6, 6), (4, 7), (7, 4)])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("window", [2, (1, 3), (4, 0)])
@@ -225,13 +220,6 @@ def test_local_window_equals_jax(t, s, causal, window):
         jax_out = jax.jit(lambda *a: jax.nn.dot_product_attention(*a, **kw))(q, k, v)
         rows_ok = (ref != 0).any(axis=-1)
         assert rel_err(np.asarray(out)[rows_ok], np.asarray(jax_out)[rows_ok]) <= 1e-5
-
-
-@pytest.mark.skipif(HAS_WINDOW, reason="the core has window=; the guard is not reached")
-def test_local_window_guard_is_clear():
-    q, k, v = inputs()
-    with pytest.raises(NotImplementedError, match="window"):
-        dot_product_attention(q, k, v, local_window_size=2)
 
 
 def test_refuses_what_it_does_not_do_naming_it():

@@ -8,8 +8,6 @@ allowed / ignore for nn.MultiheadAttention).
 
 from __future__ import annotations
 
-import inspect
-
 import numpy as np
 import pytest
 
@@ -34,8 +32,6 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 REL = 1e-10  # closed form vs autograd, float64
-HAS_DROPOUT = "dropout_seed" in inspect.signature(attngrad.sdpa_forward).parameters
-HAS_MHA_BIAS = "bias" in inspect.signature(attngrad.mha_forward).parameters
 
 
 def rel_err(a, b) -> float:
@@ -273,7 +269,6 @@ def test_sdpa_output_not_aliased_by_cache():
     assert all(torch.equal(a, b) for a, b in zip(g0, g1, strict=True))
 
 
-@pytest.mark.skipif(not HAS_DROPOUT, reason="attngrad's core has no dropout_p/dropout_seed yet")
 def test_sdpa_dropout_reproducible_and_gradcheck():
     q, k, v = (t.requires_grad_() for t in qkv((1, 2, 4, 3), (1, 2, 5, 3), seed=11))
     torch.manual_seed(0)
@@ -305,7 +300,6 @@ def softmax_rows(s, allowed):
     return torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1)
 
 
-@pytest.mark.skipif(not HAS_DROPOUT, reason="attngrad's core has no dropout_p/dropout_seed yet")
 def test_sdpa_dropout_equals_plain_torch_with_the_same_keep_mask():
     """softmax(...) * Z / (1 - p) @ V by torch autograd, Z = attngrad.dropout_mask(seed)."""
     p = 0.3
@@ -325,7 +319,6 @@ def test_sdpa_dropout_equals_plain_torch_with_the_same_keep_mask():
         assert rel_err(g, w) <= REL
 
 
-@pytest.mark.skipif(not HAS_DROPOUT, reason="attngrad's core has no dropout_p/dropout_seed yet")
 def test_mha_dropout_in_training_mode_only():
     p = 0.25
     ours, ref = mha_pair(embed_dim=8, num_heads=2, dropout=p, batch_first=True)
@@ -353,13 +346,6 @@ def test_mha_dropout_in_training_mode_only():
     assert rel_err(y, y_ref) <= REL and rel_err(w, probs) <= REL  # weights after dropout, as torch
     for g, wnt in zip(got, want, strict=True):
         assert rel_err(g, wnt) <= REL
-
-
-@pytest.mark.skipif(HAS_DROPOUT, reason="the core has dropout; the guard is not reached")
-def test_sdpa_dropout_guard_is_clear():
-    q, k, v = qkv((1, 2, 3, 2), (1, 2, 4, 2))
-    with pytest.raises(NotImplementedError, match="dropout"):
-        scaled_dot_product_attention(q, k, v, dropout_p=0.2)
 
 
 # ------------------------------------------------------------------ nn.MultiheadAttention
@@ -426,20 +412,20 @@ def neg_inf_where(m):
     return torch.zeros(m.shape, dtype=DT).masked_fill(m, float("-inf"))
 
 
-# each: (forward keyword arguments given n, H, lq, lk; needs float-bias support in the layer)
+# each: forward keyword arguments given n, H, lq, lk
 MASK_CONVENTIONS = {
-    "none": (lambda n, h, lq, lk: {}, False),
-    "kpm_bool": (lambda n, h, lq, lk: {"key_padding_mask": kpm_bool(n, lk)}, False),
-    "kpm_float_neg_inf": (lambda n, h, lq, lk: {"key_padding_mask": neg_inf_where(kpm_bool(n, lk))}, False),
-    "kpm_float": (lambda n, h, lq, lk: {"key_padding_mask": torch.randn(n, lk, dtype=DT)}, True),
-    "attn_bool_2d": (lambda n, h, lq, lk: {"attn_mask": attn_bool((lq, lk))}, False),
-    "attn_bool_3d": (lambda n, h, lq, lk: {"attn_mask": attn_bool((n * h, lq, lk))}, False),
-    "attn_float_2d": (lambda n, h, lq, lk: {"attn_mask": torch.randn(lq, lk, dtype=DT)}, True),
-    "attn_float_3d": (lambda n, h, lq, lk: {"attn_mask": torch.randn(n * h, lq, lk, dtype=DT)}, True),
-    "attn_neg_inf_3d": (lambda n, h, lq, lk: {"attn_mask": neg_inf_where(attn_bool((n * h, lq, lk)))}, False),
-    "both_bool": (lambda n, h, lq, lk: {"attn_mask": attn_bool((lq, lk)), "key_padding_mask": kpm_bool(n, lk)}, False),
-    "kpm_bool_attn_float": (lambda n, h, lq, lk: {"attn_mask": torch.randn(lq, lk, dtype=DT), "key_padding_mask": kpm_bool(n, lk)}, True),
-    "causal_hint": (lambda n, h, lq, lk: {"attn_mask": torch.ones(lq, lk, dtype=torch.bool).triu(1), "is_causal": True}, False),
+    "none": lambda n, h, lq, lk: {},
+    "kpm_bool": lambda n, h, lq, lk: {"key_padding_mask": kpm_bool(n, lk)},
+    "kpm_float_neg_inf": lambda n, h, lq, lk: {"key_padding_mask": neg_inf_where(kpm_bool(n, lk))},
+    "kpm_float": lambda n, h, lq, lk: {"key_padding_mask": torch.randn(n, lk, dtype=DT)},
+    "attn_bool_2d": lambda n, h, lq, lk: {"attn_mask": attn_bool((lq, lk))},
+    "attn_bool_3d": lambda n, h, lq, lk: {"attn_mask": attn_bool((n * h, lq, lk))},
+    "attn_float_2d": lambda n, h, lq, lk: {"attn_mask": torch.randn(lq, lk, dtype=DT)},
+    "attn_float_3d": lambda n, h, lq, lk: {"attn_mask": torch.randn(n * h, lq, lk, dtype=DT)},
+    "attn_neg_inf_3d": lambda n, h, lq, lk: {"attn_mask": neg_inf_where(attn_bool((n * h, lq, lk)))},
+    "both_bool": lambda n, h, lq, lk: {"attn_mask": attn_bool((lq, lk)), "key_padding_mask": kpm_bool(n, lk)},
+    "kpm_bool_attn_float": lambda n, h, lq, lk: {"attn_mask": torch.randn(lq, lk, dtype=DT), "key_padding_mask": kpm_bool(n, lk)},
+    "causal_hint": lambda n, h, lq, lk: {"attn_mask": torch.ones(lq, lk, dtype=torch.bool).triu(1), "is_causal": True},
 }
 
 
@@ -465,9 +451,7 @@ MHA_GRID = [
 @pytest.mark.filterwarnings("ignore:Support for mismatched key_padding_mask")  # torch's, kpm_bool_attn_float
 @pytest.mark.parametrize(("config", "conv", "weights"), MHA_GRID)
 def test_mha_equals_torch_for_every_mask_convention(config, conv, weights):
-    make, needs_bias = MASK_CONVENTIONS[conv]
-    if needs_bias and not HAS_MHA_BIAS:
-        pytest.skip("general float masks need attngrad.mha_forward(bias=), not there yet")
+    make = MASK_CONVENTIONS[conv]
     kw = MHA_CONFIGS[config]
     lq, lk = (5, 5) if conv == "causal_hint" else (4, 6)
     inputs = mha_inputs(kw, lq=lq, lk=lk)

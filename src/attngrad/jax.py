@@ -16,7 +16,7 @@ Conventions translated here (JAX's -> attngrad's):
 - ``key_value_seq_lengths`` -> ``key_lengths=``; ``query_seq_lengths`` -> a row mask
   (rows past a query length give 0, as JAX zeroes them);
 - ``local_window_size`` w or (left, right): query i sees key j iff i - left <= j <= i + right
-  -> attngrad's ``window=`` (where the core has it).
+  -> attngrad's ``window=``.
 
 Differences, on purpose: a query row that ``mask`` leaves with no key gives 0 (JAX gives
 the mean of the values there); ``return_residual=True`` and ``implementation="cudnn"``
@@ -25,7 +25,6 @@ are refused.  Needs the ``jax`` extra: ``pip install 'attngrad[jax]'``.
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from functools import partial
 
@@ -69,10 +68,9 @@ def _core_problem(opts: JaxOptions, q, k, v, bias, mask, q_lengths, kv_lengths):
         "key_lengths": None if kv_lengths is None else np.asarray(kv_lengths),
         "causal": opts.causal,
         "scale": opts.scale,
+        "window": opts.window,
         "impl": "dense",
     }
-    if opts.window is not None:
-        kwargs["window"] = opts.window
     return (_to_bhld(q), _to_bhld(k), _to_bhld(v)), kwargs
 
 
@@ -215,11 +213,6 @@ def _window(local_window_size, t: int, s: int, is_causal: bool):
     """
     if local_window_size is None:
         return None
-    if "window" not in inspect.signature(sdpa_forward).parameters:
-        raise NotImplementedError(
-            "local_window_size needs attngrad.sdpa_forward(window=(left, right)), which this "
-            "version of attngrad lacks"
-        )
     w = local_window_size
     sides = (w, w) if isinstance(w, int) else tuple(w) if isinstance(w, tuple | list) else ()
     if len(sides) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in sides):

@@ -28,7 +28,6 @@ are refused.
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 import torch
@@ -62,22 +61,6 @@ def _attngrad_params(w_in, w_q, w_k, w_v, b_in, w_out, b_out) -> dict:
     return params
 
 
-def _layer_kwargs(bias, options: LayerOptions) -> dict:
-    """The optional keywords of :func:`attngrad.mha_forward`, passed only when used."""
-    kwargs = {}
-    accepted = inspect.signature(mha_forward).parameters
-    if bias is not None:
-        if "bias" not in accepted:
-            raise NotImplementedError(
-                "float (additive) attn_mask / key_padding_mask need attngrad.mha_forward(bias=), "
-                "which this version of attngrad lacks; pass boolean masks"
-            )
-        kwargs["bias"] = bias
-    if options.dropout_p:
-        kwargs.update(dropout_p=options.dropout_p, dropout_seed=options.dropout_seed)
-    return kwargs
-
-
 def _weights(attn_cache, lq: int, lk: int, options: LayerOptions):
     """The attention weights (B, H, Lq, Lk) of a dense attngrad forward, as a new tensor:
     P, or after dropout P * Z / (1 - p) with the forward's own mask Z, as torch returns."""
@@ -104,7 +87,8 @@ class MHAFunction(torch.autograd.Function):
         params = _attngrad_params(w_in, w_q, w_k, w_v, b_in, w_out, b_out)
         y, cache = mha_forward(
             params, query, key, value, num_heads=options.num_heads, mask=mask, key_mask=key_mask,
-            causal=options.causal, impl="dense", **_layer_kwargs(bias, options),
+            causal=options.causal, bias=bias, dropout_p=options.dropout_p,
+            dropout_seed=options.dropout_seed, impl="dense",
         )  # (M1)-(M4) (B, Lq, E)
         ctx.cache = cache  # memory: C (B, Lq, E), P (B, H, Lq, Lk), inputs and params by reference
         ctx.packed = w_in is not None
@@ -175,7 +159,7 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         key_mask, kpm_bias = _key_padding(key_padding_mask, n, lk, query.dtype)
         if kpm_bias is not None:
             bias = kpm_bias if bias is None else bias + kpm_bias  # (N, H|1, Lq|1, Lk)
-        dropout = dropout_options(self.dropout if self.training else 0.0, mha_forward)
+        dropout = dropout_options(self.dropout if self.training else 0.0)
         options = LayerOptions(self.num_heads, "top_left" if is_causal else False,
                                bool(need_weights), **dropout)
         result = MHAFunction.apply(

@@ -21,7 +21,6 @@ agrees; other torch backends and versions give NaN there).
 
 from __future__ import annotations
 
-import inspect
 import math
 from dataclasses import dataclass
 
@@ -37,39 +36,17 @@ class AttentionOptions:
 
     causal: str | bool = False  # False or "top_left"
     scale: float | None = None  # None: 1/sqrt(D)
-    dropout_p: float = 0.0
+    dropout_p: float = 0.0  # validated by attngrad's core
     dropout_seed: int | None = None  # drawn from torch's RNG when dropout_p > 0
 
 
-def core_options(options: AttentionOptions) -> dict:
-    """Keyword arguments for :func:`attngrad.sdpa_forward` (dropout only when used)."""
-    kwargs = {"causal": options.causal, "scale": options.scale}
-    if options.dropout_p:
-        kwargs.update(dropout_p=options.dropout_p, dropout_seed=options.dropout_seed)
-    return kwargs
-
-
-def dropout_options(dropout_p, accepts) -> dict:
-    """``{"dropout_p": p, "dropout_seed": s}`` for p > 0 ({"dropout_p": 0.0} for p = 0).
-
-    ``accepts`` is the attngrad function that will receive them; a clear error when it
-    has no dropout.  The seed comes from torch's default generator.
-    """
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, int | float):
-        raise TypeError(f"dropout_p must be a real number in [0, 1); got {type(dropout_p).__name__}")
-    p = float(dropout_p)
-    if not 0.0 <= p < 1.0:
-        raise ValueError(f"dropout_p must lie in [0, 1); got {dropout_p!r}")
-    if p == 0.0:
-        return {"dropout_p": 0.0, "dropout_seed": None}
-    names = inspect.signature(accepts).parameters
-    if "dropout_p" not in names or "dropout_seed" not in names:
-        raise NotImplementedError(
-            f"dropout_p={p} needs attngrad.{accepts.__name__}(dropout_p=, dropout_seed=), "
-            "which this version of attngrad lacks; use dropout_p=0.0"
-        )
-    seed = int(torch.randint(0, 2**62, ()).item())  # torch.manual_seed makes it reproducible
-    return {"dropout_p": p, "dropout_seed": seed}
+def dropout_options(dropout_p) -> dict:
+    """``{"dropout_p": p, "dropout_seed": s}``: for p > 0 a seed from torch's default generator
+    (so ``torch.manual_seed`` makes a run reproducible); attngrad's core validates p."""
+    seed = None
+    if isinstance(dropout_p, int | float) and not isinstance(dropout_p, bool) and dropout_p > 0:
+        seed = int(torch.randint(0, 2**62, ()).item())
+    return {"dropout_p": dropout_p, "dropout_seed": seed}
 
 
 class SDPAFunction(torch.autograd.Function):
@@ -78,7 +55,8 @@ class SDPAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, bias, mask, options: AttentionOptions):
         out, cache = sdpa_forward(
-            q, k, v, mask=mask, bias=bias, impl="dense", **core_options(options)
+            q, k, v, mask=mask, bias=bias, causal=options.causal, scale=options.scale,
+            dropout_p=options.dropout_p, dropout_seed=options.dropout_seed, impl="dense",
         )  # (A1)-(A3) (B, H, Lq, Dv)
         ctx.cache = cache  # memory: P, (B, H, Lq, Lk), plus the inputs by reference
         # saved only so that autograd refuses a backward after an in-place change of an input
@@ -131,7 +109,7 @@ def scaled_dot_product_attention(
                 f"attn_mask must be bool (True = attend) or float of query's dtype "
                 f"{query.dtype}; got {attn_mask.dtype}"
             )
-    dropout = dropout_options(dropout_p, sdpa_forward)
+    dropout = dropout_options(dropout_p)
     options = AttentionOptions("top_left" if is_causal else False, scale, **dropout)
     out = SDPAFunction.apply(q, k, v, bias, mask, options)  # (B, H, Lq, Dv)
     return out.reshape(*lead, *out.shape[2:])  # (..., Hq, Lq, Dv)
