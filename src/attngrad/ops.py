@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 
-from .core._xp import Array, dtype_name
+from .core._xp import Array
 
 
 def split_heads(xp, x: Array, heads: int) -> Array:
@@ -42,31 +42,20 @@ def project(xp, x: Array, w: Array, b: Array | None = None) -> Array:
     return y if b is None else y + b  # (F1)
 
 
-_CHUNK = 128  # rows per partial product in weight_grad
-
-
 def weight_grad(xp, x: Array, dy: Array) -> Array:
     """X^T dY for X (..., in), dY (..., out), summed over every leading axis: (in, out).
 
-    float32 with N >= 256 rows and in*out >= 4096 is summed as partial products over
-    blocks of 128 rows (one batched GEMM, then a sum in a fixed order): OpenBLAS's
-    single-precision GEMM is about 2x slower on one transposed (N, in)^T (N, out) product
-    with long N than on these blocks (measured: 1.1 ms vs 0.5 ms for N=1088, in=64,
-    out=128).  Same sum, another (fixed) summation order.
+    One 2-D GEMM over all rows, the transpose passed to BLAS as a flag (no copy).  A
+    float32 variant that summed partial products over blocks of 128 rows was dropped
+    (issue 13): single-threaded CPU time, OpenBLAS, this machine, it was 1.2x-1.8x slower
+    than the one GEMM at every size measured ((1024, 512, 512): 9.7 vs 7.8 ms; (1088, 64,
+    128): 0.51 vs 0.29 ms; (4096, 512, 512): 39 vs 29 ms), docs/performance.md.
     """
     *lead, n_in = x.shape
     n, n_out = math.prod(lead), dy.shape[-1]
     x2 = xp.reshape(x, (n, n_in))  # (N, in)
     dy2 = xp.reshape(dy, (n, n_out))  # (N, out)
-    k = n // _CHUNK
-    if dtype_name(x2.dtype) != "float32" or k < 2 or n_in * n_out < 4096:
-        return xp.matrix_transpose(x2) @ dy2  # (F2) (in, out)
-    m = k * _CHUNK
-    xb = xp.permute_dims(xp.reshape(x2[:m], (k, _CHUNK, n_in)), (0, 2, 1))  # (k, in, 128)
-    g = xp.sum(xb @ xp.reshape(dy2[:m], (k, _CHUNK, n_out)), axis=0)  # (F2) (in, out)
-    if m < n:
-        g = g + xp.matrix_transpose(x2[m:]) @ dy2[m:]  # (F2) the last rows
-    return g
+    return xp.matrix_transpose(x2) @ dy2  # (F2) (in, out)
 
 
 __all__ = ["merge_heads", "project", "split_heads", "weight_grad"]
