@@ -236,8 +236,12 @@ def test_refuses_what_it_does_not_do_naming_it():
         dot_product_attention(q, k, v, bias=rand_bias((1, 4, 5, 7)).astype(jnp.float32))
     with pytest.raises(ValueError, match="heads"):
         dot_product_attention(q, k[:, :, :1].repeat(3, axis=2), v[:, :, :1].repeat(3, axis=2))
-    with pytest.raises(ValueError, match="key_value_seq_lengths"):
+    with pytest.raises(TypeError, match="key_value_seq_lengths"):
         dot_product_attention(q, k, v, key_value_seq_lengths=jnp.array([1.0, 2.0]))
+    with pytest.raises(ValueError, match="query_seq_lengths"):
+        dot_product_attention(q, k, v, query_seq_lengths=jnp.array([1, 2, 3]))
+    with pytest.raises(ValueError, match="local_window_size"):
+        dot_product_attention(q, k, v, local_window_size=(-1, 2))
     with pytest.raises(TypeError, match="dtype"):
         dot_product_attention(q, k.astype(jnp.float32), v)
     with pytest.raises(ValueError, match="query"):

@@ -280,6 +280,11 @@ def test_sdpa_dropout_reproducible_and_gradcheck():
     assert torch.equal(a, b) and not torch.equal(a, c)
     plain = scaled_dot_product_attention(q, k, v)
     assert torch.equal(scaled_dot_product_attention(q, k, v, dropout_p=0.0), plain)
+    outs = []
+    for _ in range(2):  # a NumPy scalar p works too (and is reproducible)
+        torch.manual_seed(0)
+        outs.append(scaled_dot_product_attention(q, k, v, dropout_p=np.float32(0.3)))
+    assert torch.equal(*outs) and not torch.equal(outs[0], plain)
     assert not torch.equal(a, plain)
 
     def fn(q, k, v):  # the same seed at every evaluation: one fixed dropout mask

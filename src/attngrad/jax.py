@@ -199,8 +199,10 @@ def _check_lengths(name: str, lengths, batch: int):
     if lengths is None:
         return None
     lengths = jnp.asarray(lengths)
-    if not jnp.issubdtype(lengths.dtype, jnp.integer) or lengths.shape != (batch,):
-        raise ValueError(f"{name} must be integers of shape (B,) = ({batch},); got {lengths.dtype} {lengths.shape}")
+    if not jnp.issubdtype(lengths.dtype, jnp.integer):
+        raise TypeError(f"{name} must be integers; got dtype {lengths.dtype}")
+    if lengths.shape != (batch,):
+        raise ValueError(f"{name} must have shape (B,) = ({batch},); got {lengths.shape}")
     return lengths
 
 

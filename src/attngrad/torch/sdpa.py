@@ -22,6 +22,7 @@ agrees; other torch backends and versions give NaN there).
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -44,7 +45,7 @@ def dropout_options(dropout_p) -> dict:
     """``{"dropout_p": p, "dropout_seed": s}``: for p > 0 a seed from torch's default generator
     (so ``torch.manual_seed`` makes a run reproducible); attngrad's core validates p."""
     seed = None
-    if isinstance(dropout_p, int | float) and not isinstance(dropout_p, bool) and dropout_p > 0:
+    if isinstance(dropout_p, numbers.Real) and not isinstance(dropout_p, bool) and dropout_p > 0:
         seed = int(torch.randint(0, 2**62, ()).item())
     return {"dropout_p": dropout_p, "dropout_seed": seed}
 
