@@ -14,6 +14,8 @@ import pytest
 
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 from jax.test_util import check_grads  # noqa: E402
 
 pytest.importorskip("torch")  # the float64 oracle differentiates with torch autograd
@@ -141,6 +143,31 @@ def test_values_and_grads_equal_jax_nn(name):
     want = jax.jit(lambda *a: grads_of(jax_nn, *a))(q, k, v, u, bias)
     for g, w in zip(got, want, strict=True):
         assert rel_err(g, w) <= 1e-5
+
+
+@settings(max_examples=8)  # each new shape costs JAX a trace and compile
+@given(
+    b=st.integers(1, 2), kh=st.integers(1, 2), g=st.integers(1, 3), t=st.integers(1, 5),
+    s=st.integers(1, 5), h=st.integers(1, 4), causal=st.booleans(),
+    mask_kind=st.sampled_from(["none", "bool", "bias", "lengths"]), seed=st.integers(0, 2**16),
+)
+def test_equals_reference_hypothesis(b, kh, g, t, s, h, causal, mask_kind, seed):
+    q, k, v = inputs(b=b, t=t, s=s, n=kh * g, kh=kh, h=h, seed=seed)
+    r = np.random.default_rng(seed + 1)
+    kw, bias = {"is_causal": causal}, None
+    if mask_kind == "bool":
+        kw["mask"] = jnp.asarray(r.random((b, kh * g, t, s)) < 0.6)  # rows with no key: 0
+    elif mask_kind == "bias":
+        bias = jnp.asarray(r.standard_normal((1, kh * g, t, s)))
+    elif mask_kind == "lengths":
+        kw["key_value_seq_lengths"] = jnp.asarray(r.integers(0, s + 1, b), dtype=jnp.int32)
+    out = dot_product_attention(q, k, v, bias, **kw)
+    u = jnp.asarray(r.standard_normal(out.shape))
+    ref, want = reference(q, k, v, bias, u, **kw)
+    assert np.all(np.isfinite(out)) and rel_err(out, ref) <= REL
+    got = grads_of(lambda *a: dot_product_attention(*a[:3], *a[3:], **kw), q, k, v, u, bias)
+    for gr, w in zip(got, want, strict=True):
+        assert np.all(np.isfinite(gr)) and rel_err(gr, w) <= REL
 
 
 def test_float32_equals_jax_nn():
