@@ -47,17 +47,27 @@ def _sum_group(a, group: int):
 
 
 def attention_backward_jvp(r: AttnJVP, dout, tdout) -> AttnSecondOrder:
-    """(A4)-(A9) and their tangents (H1)-(H6), given dO (B, H, Lq, Dv) and its tangent."""
+    """(A4)-(A9) and their tangents (H1)-(H6), given dO (B, H, Lq, Dv) and its tangent.
+
+    With dropout (V3) P and Ṗ carry Z/(1 − p) in (H1) and so do dP and its tangent (H2);
+    δ = rowsum(dO ∘ O) and (H3), (H4) are unchanged.  With a soft-cap (V1), dS⁰ = dS ∘ (1 − t²)
+    and its tangent d(dS⁰)' = d(dS)' ∘ (1 − t²) − 2 dS ∘ t ∘ ṫ, ṫ = (1 − t²) ∘ Ṡ⁰ / c, feed
+    (H5), (H6)."""
     p, tp, v, tv, q, tq, k, tk, s = r.p, r.tp, r.v, r.tv, r.q, r.tq, r.k, r.tk, r.scale
     T = lambda a: np.swapaxes(a, -1, -2)
-    dv = T(p) @ dout  # (A4) (B, H, Lk, Dv)
-    tdv = T(tp) @ dout + T(p) @ tdout  # (H1)
-    dp = dout @ T(v)  # (A5) (B, H, Lq, Lk)
-    tdp = tdout @ T(v) + dout @ T(tv)  # (H2)
+    kp = 1.0 if r.keep is None else r.keep  # (V3) Z / (1 − p)
+    dv = T(p * kp) @ dout  # (A4, V3) (B, H, Lk, Dv)
+    tdv = T(tp * kp) @ dout + T(p * kp) @ tdout  # (H1, V3)
+    dp = (dout @ T(v)) * kp  # (A5, V3) (B, H, Lq, Lk)
+    tdp = (tdout @ T(v) + dout @ T(tv)) * kp  # (H2, V3)
     delta = np.sum(dout * r.out, axis=-1, keepdims=True)  # (A6) (B, H, Lq, 1)
     tdelta = np.sum(tdout * r.out + dout * r.tout, axis=-1, keepdims=True)  # (H3)
     ds = p * (dp - delta)  # (A7)
     tds = tp * (dp - delta) + p * (tdp - tdelta)  # (H4)
+    if r.softcap is not None:
+        sech2 = 1.0 - r.t * r.t  # (V1) dS1/dS0
+        tt = sech2 * r.ts0 / r.softcap  # the tangent of t = tanh(S0 / c)
+        ds, tds = ds * sech2, tds * sech2 - 2.0 * ds * r.t * tt  # (V1) dS0 and its tangent
     dq = s * (ds @ k)  # (A8) (B, H, Lq, D)
     tdq = s * (tds @ k + ds @ tk)  # (H5)
     dk = s * (T(ds) @ q)  # (A9) (B, H, Lk, D)
@@ -88,9 +98,9 @@ def sdpa_hvp(q, k, v, tq=None, tk=None, tv=None, *, cotangent=None, target=None,
 
     L = ⟨G, O⟩ (``cotangent=G``) or L = ½‖O − T‖² (``target=T``); the direction is
     (tq, tk, tv) (None = 0).  Returns grads {"q","k","v"} and hvp {"q","k","v"}, where
-    hvp = ∇²L · (tq, tk, tv).  Masks as in sdpa_forward.  Variants: bias, sinks, alibi_slopes
-    (fixed values), window and segments; softcap, dropout and scale_grad are refused
-    (ValueError naming them)."""
+    hvp = ∇²L · (tq, tk, tv).  Masks as in sdpa_forward.  Variants: every one of
+    sdpa_forward's, with sinks, alibi_slopes and bias as fixed values; scale_grad is refused
+    (ValueError)."""
     variants = {"bias": bias, "softcap": softcap, "sinks": sinks, "alibi_slopes": alibi_slopes, "window": window,
                 "q_segment_ids": q_segment_ids, "kv_segment_ids": kv_segment_ids, "dropout_p": dropout_p,
                 "dropout_seed": dropout_seed, "scale_grad": scale_grad}

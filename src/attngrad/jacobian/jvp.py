@@ -54,6 +54,10 @@ class AttnJVP(NamedTuple):
     tout: np.ndarray  # (..., B, H, Lq, Dv)
     scale: float
     group: int  # G = H / Hkv
+    softcap: float | None = None  # c of (V1)
+    t: np.ndarray | None = None  # (B, H, Lq, Lk) tanh(S0 / c), with a soft-cap   (V1)
+    ts0: np.ndarray | None = None  # (..., B, H, Lq, Lk) the tangent of S0 = s Q Kᵀ, with a soft-cap
+    keep: np.ndarray | None = None  # (B, H, Lq, Lk) Z / (1 − p), with dropout   (V3)
 
 
 def _f64(name, a):
@@ -117,13 +121,16 @@ def attention_jvp_parts(q, k, v, tq, tk, tv, allowed, scale, var: LogitVariants 
     pd = p if var.keep is None else p * var.keep  # (V3) P ∘ Z / (1 − p)
     out = pd @ v  # (A3) (B, H, Lq, Dv)
     if primal_only:  # zero direction: every tangent is 0
-        return AttnJVP(q, k, v, tq, tk, tv, p, np.zeros_like(p), out, np.zeros_like(out), scale, G)
-    ts = scale * (tq @ kt + q @ np.swapaxes(tk, -1, -2))  # (J1) (..., B, H, Lq, Lk)
+        zero = np.zeros_like(p)
+        return AttnJVP(q, k, v, tq, tk, tv, p, zero, out, np.zeros_like(out), scale, G, var.softcap,
+                       None if var.softcap is None else t, None if var.softcap is None else zero, var.keep)
+    ts0 = ts = scale * (tq @ kt + q @ np.swapaxes(tk, -1, -2))  # (J1) (..., B, H, Lq, Lk)
     if var.softcap is not None:
-        ts = ts * (1.0 - t * t)  # (V1) the soft-cap's chain rule
+        ts = ts0 * (1.0 - t * t)  # (V1) the soft-cap's chain rule
     tp = p * (ts - np.sum(p * ts, axis=-1, keepdims=True))  # (J2) (the sink's logit has no tangent)
     tout = (tp if var.keep is None else tp * var.keep) @ v + pd @ tv  # (J3, V3) (..., B, H, Lq, Dv)
-    return AttnJVP(q, k, v, tq, tk, tv, p, tp, out, tout, scale, G)
+    return AttnJVP(q, k, v, tq, tk, tv, p, tp, out, tout, scale, G, var.softcap,
+                   None if var.softcap is None else t, None if var.softcap is None else ts0, var.keep)
 
 
 def sdpa_jvp(q, k, v, tq=None, tk=None, tv=None, *, mask=None, key_lengths=None, key_mask=None,
