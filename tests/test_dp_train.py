@@ -59,7 +59,7 @@ if __name__ != "__main__":
     import pytest
 
     from attngrad.cli.main import main
-    from attngrad.distributed.launch import launch_local
+    from attngrad.distributed.launch import launch_local, summarize_failure
 
     if importlib.util.find_spec("torch") is None:
         pytest.skip("needs PyTorch (torch.distributed)", allow_module_level=True)
@@ -108,6 +108,7 @@ if __name__ != "__main__":
         assert res[1].returncode == -signal.SIGKILL
         assert res[0].returncode == 1, res  # rank 0 stopped by itself, not killed by the launcher
         assert "peer" in res[0].tail and "rank 0" in res[0].tail, res[0].tail
+        assert summarize_failure(res) == "rank 1 of 2 failed (exit -9): killed by SIGKILL"  # the culprit
         assert time.monotonic() - t0 < 200
         assert sorted(p.name for p in out.glob("ckpt-*.npz")) == ["ckpt-00000005.npz"]
         r = _cli("--out", str(out), "--resume", "--nproc", "2", "--no-plots", "--quiet")

@@ -118,7 +118,9 @@ def shutdown() -> None:
 class RankResult(NamedTuple):
     rank: int
     returncode: int
-    tail: str  # last line of the rank's error output
+    tail: str  # last line of the rank's error output ("" when it went to the terminal)
+    ended: float = 0.0  # seconds after the start at which the launcher saw it end
+    stopped: bool = False  # ended by the launcher (after a peer failed, or at the timeout)
 
 
 def launch_local(argv: list[str], nproc: int, *, port: int | None = None, timeout: float = 600.0,
@@ -151,8 +153,9 @@ def launch_local(argv: list[str], nproc: int, *, port: int | None = None, timeou
                 files += [out, err]
             procs.append(subprocess.Popen([sys.executable, *argv], env=e, stdout=out, stderr=err,
                                           stdin=subprocess.DEVNULL, start_new_session=True))
-        _watch(procs, timeout, grace)
-        return [RankResult(r, p.returncode, _tail(logs / f"rank{r}.err")) for r, p in enumerate(procs)]
+        ended, stopped = _watch(procs, timeout, grace)
+        return [RankResult(r, p.returncode, _tail(logs / f"rank{r}.err"), ended[r], r in stopped)
+                for r, p in enumerate(procs)]
     finally:
         for p in procs:
             _kill(p)
@@ -162,20 +165,26 @@ def launch_local(argv: list[str], nproc: int, *, port: int | None = None, timeou
             tmp.cleanup()
 
 
-def _watch(procs, timeout: float, grace: float) -> None:
+def _watch(procs, timeout: float, grace: float) -> tuple[dict, set]:
+    """Wait for the ranks; returns when each was seen to end, and which ones we stopped."""
     t0 = time.monotonic()
     failed_at = None
+    ended = {}
     while True:
-        codes = [p.poll() for p in procs]
-        if all(c is not None for c in codes):
-            return
         now = time.monotonic()
+        codes = [p.poll() for p in procs]
+        for r, c in enumerate(codes):
+            if c is not None and r not in ended:
+                ended[r] = now - t0
+        if all(c is not None for c in codes):
+            return ended, set()
         if failed_at is None and any(c not in (None, 0) for c in codes):
             failed_at = now
         if (failed_at is not None and now - failed_at > grace) or now - t0 > timeout:
+            stopped = {r for r, c in enumerate(codes) if c is None}
             for p in procs:
                 _kill(p)
-            return
+            return {**{r: now - t0 for r in stopped}, **ended}, stopped
         time.sleep(0.05)
 
 
@@ -206,10 +215,10 @@ def summarize_failure(results: list[RankResult]) -> str | None:
     bad = [r for r in results if r.returncode != 0]
     if not bad:
         return None
-    # A rank that failed on its own beats one that only saw its peer vanish.
-    own = [r for r in bad if "peer" not in r.tail and r.returncode not in (-signal.SIGTERM, -signal.SIGKILL)]
-    told = [r for r in own if r.tail]
-    first = (told or own or bad)[0]
+    # The first to end, not stopped by the launcher; at a tie, one that did not merely see
+    # its peer vanish.
+    own = [r for r in bad if not r.stopped] or bad
+    first = min(own, key=lambda r: (r.ended, "peer" in r.tail, r.rank))
     why = first.tail or _signal_text(first.returncode)
     return f"rank {first.rank} of {len(results)} failed (exit {first.returncode}): {why}"
 
