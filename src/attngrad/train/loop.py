@@ -302,17 +302,16 @@ def _complete(stored: dict) -> dict:
 
 
 def prepare_out(out: Path, *, fresh: bool) -> None:
-    """Check (and for a fresh run create) the output folder before any work: a path that
-    is a file, cannot be created or already holds a run's checkpoints is refused."""
+    """Check (and create) the output folder before any work: a path that is a file or
+    cannot be created is refused, and so, for a fresh run, is a folder holding checkpoints."""
     if out.exists() and not out.is_dir():
         raise ValueError(f"out must be a folder; {out} exists and is not one")
-    if fresh:
-        if list_checkpoints(out):
-            raise ValueError(f"{out} already holds checkpoints; pass --resume to continue, or choose another --out")
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise OSError(exc.errno, f"cannot create the output folder ({exc.strerror})", str(out)) from None
+    if fresh and list_checkpoints(out):
+        raise ValueError(f"{out} already holds checkpoints; pass --resume to continue, or choose another --out")
+    try:
+        out.mkdir(parents=True, exist_ok=True)  # resuming from a checkpoint elsewhere may start a new folder
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot create the output folder ({exc.strerror})", str(out)) from None
     if not os.access(out, os.W_OK | os.X_OK):
         raise OSError(errno.EACCES, "the output folder is not writable", str(out))
 
