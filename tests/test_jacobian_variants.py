@@ -118,8 +118,10 @@ def test_sdpa_jvp_rows_attending_only_the_sink():
 
 
 @pytest.mark.parametrize(("names", "method"), [(("softcap", "dropout", "alibi"), "jvp"),
+                                               (("softcap", "dropout", "alibi"), "closed"),
                                                (("sinks", "alibi", "window"), "closed"),
-                                               (("sinks", "segments"), "jvp")])
+                                               (("sinks", "segments"), "jvp"),
+                                               (("softcap", "sinks", "alibi", "window", "segments", "dropout"), "closed")])
 @pytest.mark.parametrize("wrt", ["q", "k", "v"])
 def test_sdpa_jacobian_equals_jacrev(names, method, wrt):
     rng, (q, k, v), _ = _qkv(3)
@@ -216,10 +218,11 @@ def test_mha_hvp_with_variants_against_finite_differences(names):
         np.testing.assert_allclose(res.hvp[n], (plus[n] - minus[n]) / 2e-6, rtol=1e-3, atol=1e-5, err_msg=n)
 
 
-@pytest.mark.parametrize("wrt", ["W_q", "W_v", "query"])
-def test_mha_jacobian_closed_equals_jvp_with_sinks_and_alibi(wrt):
+@pytest.mark.parametrize("names", [("sinks", "alibi", "segments"), ("softcap", "dropout", "window")], ids="+".join)
+@pytest.mark.parametrize("wrt", ["W_q", "b_k", "W_v", "query"])
+def test_mha_jacobian_closed_equals_jvp_with_variants(wrt, names):
     rng, params, x, m = _layer(7)
-    opts = _options(rng, ("sinks", "alibi", "segments"))
+    opts = _options(rng, names)
     kw = {"num_heads": 4, "num_kv_heads": 2, **opts}
     closed = mha_jacobian(params, x, m, wrt=wrt, method="closed", **kw)
     viajvp = mha_jacobian(params, x, m, wrt=wrt, method="jvp", **kw)
@@ -250,8 +253,8 @@ def _mha_calls(params, x, m):
 REFUSED = {  # function -> options it must refuse
     "sdpa_jvp": [{"scale_grad": True}],
     "mha_jvp": [{"scale_grad": True}],
-    "sdpa_jacobian": [{"scale_grad": True}, {"softcap": 2.0}, {"dropout_p": 0.1, "dropout_seed": 1}],
-    "mha_jacobian": [{"scale_grad": True}, {"softcap": 2.0}, {"dropout_p": 0.1, "dropout_seed": 1}],
+    "sdpa_jacobian": [{"scale_grad": True}],
+    "mha_jacobian": [{"scale_grad": True}],
     "sdpa_hvp": [{"scale_grad": True}],
     "mha_hvp": [{"scale_grad": True}],
 }

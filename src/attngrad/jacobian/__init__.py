@@ -8,10 +8,9 @@
 NumPy float64 throughout: these are references for checking, for small sizes.
 
 Today's variants (V1-V7, :mod:`.variants`): every function takes sdpa_forward's variant
-keywords by name; the JVPs and HVPs carry all of them as fixed values (soft-cap, sinks,
-bias, ALiBi, window, segments, dropout), the closed-form Jacobian blocks all but the
-soft-cap and dropout (``method="jvp"`` carries them), and ``scale_grad`` is refused: a
-ValueError naming the option, never a silent wrong answer.
+keywords by name; the JVPs, Jacobians and HVPs carry all of them (soft-cap, sinks, bias,
+ALiBi, window, segments, dropout; sinks, slopes and bias as fixed values), and
+``scale_grad`` is refused: a ValueError naming the option, never a silent wrong answer.
 """
 
 from .columns import (

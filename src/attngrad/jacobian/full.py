@@ -54,8 +54,8 @@ def sdpa_jacobian(q, k, v, wrt: str = "q", *, method: str = "closed", chunk: int
 
     ``method="closed"`` (default) writes the nonzero blocks of the Jacobian directly
     (J6)-(J8); ``method="jvp"`` pushes every basis direction through the JVP (J1)-(J3).
-    Variant keywords as sdpa_jvp; softcap and dropout need ``method="jvp"`` (ValueError
-    otherwise), scale_grad is refused."""
+    Variant keywords as sdpa_jvp (soft-cap and dropout enter (J6)-(J8) as their docstrings
+    say); scale_grad is refused."""
     _check_choice("wrt", wrt, SDPA_ARGS)
     _check_choice("method", method, ("closed", "jvp"))
     _check_chunk(chunk)
@@ -78,16 +78,28 @@ def sdpa_jacobian(q, k, v, wrt: str = "q", *, method: str = "closed", chunk: int
     return _jacobian_from_jvp(jvp_of, tuple(args[wrt].shape), out_shape, chunk)
 
 
+def _logit_weight(r):
+    """P ∘ (1 − t²): the probabilities times the soft-cap's local derivative (V1); P without one."""
+    return r.p if r.softcap is None else r.p * (1.0 - r.t * r.t)
+
+
+def _kept(r, a):
+    """a ∘ Z / (1 − p) under dropout (V3); a itself without."""
+    return a if r.keep is None else a * r.keep
+
+
 def _dq_block(r):
-    """(J6) without δ_ii': (B, H, Lq, Dv, D)."""
-    p, k, v, o = r.p, r.k, r.v, r.out
-    return r.scale * (np.einsum("bhij,bhje,bhjd->bhied", p, v, k) - o[..., :, None] * (p @ k)[..., None, :])
+    """(J6) without δ_ii': (B, H, Lq, Dv, D).  With a soft-cap and dropout,
+    ∂O_ie/∂Q_id = s Σ_j P_ij (1 − t_ij²) (Z_ij V_je / (1 − p) − O_ie) K_jd."""
+    w, k, v, o = _logit_weight(r), r.k, r.v, r.out
+    return r.scale * (np.einsum("bhij,bhje,bhjd->bhied", _kept(r, w), v, k) - o[..., :, None] * (w @ k)[..., None, :])
 
 
 def _dk_block(r):
-    """(J7): (B, H, Lq, Dv, Lk, D), per query head."""
-    vo = r.v[:, :, None, :, :] - r.out[:, :, :, None, :]  # (B, H, Lq, Lk, Dv): V_je − O_ie
-    return r.scale * np.einsum("bhij,bhije,bhid->bhiejd", r.p, vo, r.q)
+    """(J7): (B, H, Lq, Dv, Lk, D), per query head (soft-cap and dropout as in (J6))."""
+    zv = r.v[:, :, None, :, :] if r.keep is None else r.keep[..., None] * r.v[:, :, None, :, :]
+    vo = zv - r.out[:, :, :, None, :]  # (B, H, Lq, Lk, Dv): Z_ij V_je / (1 − p) − O_ie
+    return r.scale * np.einsum("bhij,bhije,bhid->bhiejd", _logit_weight(r), vo, r.q)
 
 
 def _sdpa_jacobian_blocks(r, wrt: str, shape: tuple):
@@ -111,7 +123,7 @@ def _sdpa_jacobian_blocks(r, wrt: str, shape: tuple):
         jac[b, h, i, :, b, hk, :, :] = _dk_block(r)  # (J7) (B, H, Lq, Dv, Lk, D)
     else:
         dv = r.v.shape[-1]
-        block = p[:, :, :, None, :, None] * np.eye(dv)[:, None, :]  # (J8) (B, H, Lq, Dv, Lk, Dv)
+        block = _kept(r, p)[:, :, :, None, :, None] * np.eye(dv)[:, None, :]  # (J8, V3) (B, H, Lq, Dv, Lk, Dv)
         jac[b, h, i, :, b, hk, :, :] = block
     return jac
 
@@ -126,7 +138,7 @@ def mha_jacobian(params, query, key=None, value=None, *, wrt: str = "query", con
     with tokens as columns, weights (out, in) with Q = W^Q X + b^Q 1ᵀ; the Jacobian is
     returned in that convention too.  ``method="closed"`` (default) writes the Jacobian
     w.r.t. a parameter directly (J9); inputs, and ``method="jvp"``, use the JVPs.  Variant
-    keywords as mha_jvp; softcap and dropout need the JVPs (refused for (J9)).
+    keywords as mha_jvp.
     """
     _check_choice("method", method, ("closed", "jvp"))
     _check_choice("convention", convention, ("row", "column"))
@@ -187,5 +199,5 @@ def _layer_param_blocks(r, params, wrt: str):
             return grouped(np.einsum("hve,bhivjd->biehd", wo_h, dk))
         return grouped(np.einsum("hve,bhivjd,bja->bieahd", wo_h, dk, xk))
     if wrt == "b_v":
-        return grouped(np.einsum("hve,bhij->biehv", wo_h, a.p))
-    return grouped(np.einsum("hve,bhij,bja->bieahv", wo_h, a.p, xv))  # W_v
+        return grouped(np.einsum("hve,bhij->biehv", wo_h, _kept(a, a.p)))  # (J8, V3)
+    return grouped(np.einsum("hve,bhij,bja->bieahv", wo_h, _kept(a, a.p), xv))  # W_v

@@ -13,9 +13,8 @@ ValueError that names it: never a silent wrong answer, never Python's generic
 With the sinks, bias and slopes held fixed, the softmax Jacobian keeps its form
 (J2: the sink's logit has no tangent), so (J1)-(J3), (J6)-(J9) and (H1)-(H9) hold with
 P from the sink softmax.  The soft-cap multiplies Ṡ by (1 − tanh²) (V1) and dropout
-multiplies P and Ṗ by Z / (1 − p) (V3): the JVPs and the HVPs carry both (the HVP also
-the soft-cap's second derivative, −2 t ṫ); the closed-form Jacobian blocks do not, so
-they refuse them (method="jvp" carries them).  No tool takes a tangent for the scale,
+multiplies P and Ṗ by Z / (1 − p) (V3): the JVPs, the closed-form Jacobian blocks and
+the HVPs carry both (the HVP also the soft-cap's second derivative, −2 t ṫ).  No tool takes a tangent for the scale,
 sinks or slopes: ``scale_grad`` and learned ``params["sinks"]`` / ``["alibi_slopes"]`` are
 refused.
 """
@@ -45,12 +44,11 @@ VARIANT_DEFAULTS = {
 }
 
 SCALE_GRAD = "it asks the backward for dL/dscale; these tools take no tangent for the scale"
-NOT_CLOSED = "the closed-form blocks (J6)-(J9) do not carry it; use method='jvp'"
 
 # what each kind of tool refuses, with the reason
 REFUSED = {
     "jvp": {"scale_grad": SCALE_GRAD},
-    "closed": {"scale_grad": SCALE_GRAD, "softcap": NOT_CLOSED, "dropout_p": NOT_CLOSED},
+    "closed": {"scale_grad": SCALE_GRAD},
     "hvp": {"scale_grad": SCALE_GRAD},
 }
 
