@@ -200,8 +200,8 @@ def test_jax_target_runs_or_says_it_cannot():
         with pytest.raises(ValueError, match="needs JAX"):
             conform("jax.dpa", cases=[TINY[0]])
         return
-    report = conform("jax.dpa", cases=[TINY[0], TINY[3]])
-    assert report.counts["pass"] + report.counts["fail"] == 2
+    report = conform("jax.dpa", cases=[TINY[3]])  # runs and is judged (JAX's softmax is float32)
+    assert report.counts["pass"] + report.counts["fail"] == 1
 
 
 def test_library_argument_errors():
