@@ -257,7 +257,7 @@ def sdpa_runner(fn, backend: str | None = None) -> Callable[[Problem], Result]:
         dt = _tdtype(torch, c.dtype)
         leaves = {"q": _leaf(torch, problem.q, dt), "k": _leaf(torch, problem.k, dt),
                   "v": _leaf(torch, problem.v, dt)}
-        others = any(n in o for n in ("mask", "key_lengths"))
+        others = any(n in o for n in ("mask", "key_lengths", "bias"))  # causal then folds into a mask
         kwargs: dict = {"scale": o["scale"]}
         attn_mask = None
         if c.causal != "none" and not others and (c.causal == "top_left" or c.lq == c.lk):
