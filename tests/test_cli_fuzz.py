@@ -237,3 +237,22 @@ def test_no_parametrize_takes_a_generator():
                 if isinstance(values, ast.GeneratorExp) or called in generators or called in ("map", "filter", "zip"):
                     offenders.append(f"{path.name}:{node.lineno}")
     assert not offenders, offenders
+
+
+@pytest.mark.parametrize(
+    ("exc", "code", "words"),
+    [(MemoryError(), 1, "out of memory"), (ImportError("needs matplotlib: pip install 'attngrad[plot]'"), 1, "attngrad[plot]"),
+     (PermissionError(13, "Permission denied", "/x"), 1, "Permission denied: /x"), (RuntimeError("boom"), 1, "boom"),
+     (ValueError("bad\nvalue"), 2, "bad value"), (TypeError("wrong type"), 2, "wrong type")],
+)
+def test_whatever_a_command_raises_is_one_line(monkeypatch, capsys, exc, code, words):
+    """The last line of defence: main() turns any failure into one line and exit 1 or 2."""
+    import attngrad.cli.derive as derive
+
+    def boom(args):
+        raise exc
+
+    monkeypatch.setattr(derive, "run", boom)
+    assert main(["derive"]) == code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words in err[0] and err[0].startswith("attngrad derive: error:"), err
