@@ -123,3 +123,21 @@ def test_scale_refuses_what_is_not_a_finite_real(bad):
     q = np.zeros((1, 1, 2, 2))
     with pytest.raises((TypeError, ValueError), match="scale"):
         ag.sdpa_forward(q, q, q, scale=bad)
+
+
+@pytest.mark.parametrize("impl", ["dense", "tiled"])
+def test_attention_weights_are_p_or_the_dropped_p_and_never_a_view(impl):
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((2, 4, 5, 3))
+    k, v = rng.standard_normal((2, 2, 6, 3)), rng.standard_normal((2, 2, 6, 3))
+    _, c = ag.sdpa_forward(q, k, v, causal="bottom_right", dropout_p=0.25, dropout_seed=2, impl=impl)
+    w = ag.attention_weights(c)
+    assert w.shape == (2, 4, 5, 6)
+    assert np.allclose(w.sum(-1), 1.0)
+    wd = ag.attention_weights(c, dropped=True)
+    z = ag.dropout_mask(2, (2, 4, 5, 6), 0.25)
+    assert np.array_equal(wd, np.where(z, w / 0.75, 0.0)) or np.allclose(wd, np.where(z, w / 0.75, 0.0), rtol=1e-15)
+    w[...] = 0
+    assert np.allclose(ag.attention_weights(c).sum(-1), 1.0)
+    with pytest.raises(TypeError, match="cache"):
+        ag.attention_weights(None)

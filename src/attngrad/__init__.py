@@ -1,9 +1,11 @@
 """attngrad: closed-form gradients of Transformer attention, proved against autograd."""
 
+from .conform import conform
 from .core import (
     MaskSpec,
     SDPACache,
     TiledCache,
+    attention_weights,
     dropout_mask,
     make_mask_spec,
     masked_softmax,
@@ -11,7 +13,6 @@ from .core import (
     sdpa_backward,
     sdpa_forward,
 )
-from .conform import conform
 from .core.rope import RoPE, RoPECache, rope_backward, rope_forward
 from .layers import (
     MHACache,
@@ -31,9 +32,10 @@ __all__ = [
     "RoPECache",
     "SDPACache",
     "TiledCache",
-    "dropout_mask",
     "__version__",
+    "attention_weights",
     "conform",
+    "dropout_mask",
     "init_mha_params",
     "make_mask_spec",
     "masked_softmax",

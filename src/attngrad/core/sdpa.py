@@ -13,7 +13,14 @@ NumPy).  :func:`sdpa_backward` checks dOut and the cache and dispatches on the c
 from __future__ import annotations
 
 from ._xp import check_array, check_float_dtypes, namespace
-from .dense import SDPACache, dense_backward, dense_forward, masked_softmax, reduce_to_shape
+from .dense import (
+    SDPACache,
+    _dropped,
+    dense_backward,
+    dense_forward,
+    masked_softmax,
+    reduce_to_shape,
+)
 from .problem import SDPAShape, make_problem, validate_qkv
 from .tiled import TiledCache, choose_impl, make_tiling, tiled_backward, tiled_forward
 
@@ -21,6 +28,7 @@ __all__ = [
     "SDPACache",
     "SDPAShape",
     "TiledCache",
+    "attention_weights",
     "check_dout",
     "masked_softmax",
     "reduce_to_shape",
@@ -127,6 +135,29 @@ def sdpa_backward(dout, cache) -> dict:
         xp = namespace(dout, cache.p)
         grads = dense_backward(xp, xp.astype(dout, prob.cdt, copy=False), cache)
     return {name: xp.astype(g, prob.dtype, copy=False) for name, g in grads.items()}
+
+
+def attention_weights(cache, *, dropped: bool = False):
+    """The attention probabilities of a forward, (B, H, Lq, Lk), as a new array: P (A2, V2)
+    or, with ``dropped=True``, P~ = P * Z / (1 - p) with the forward's own dropout mask (V3).
+
+    From the dense cache it is a copy of P; from the tiled cache P is rebuilt (O(Lq Lk)
+    memory, only here).
+    """
+    if not isinstance(cache, SDPACache | TiledCache):
+        raise TypeError(
+            "cache must be the second value returned by sdpa_forward (an SDPACache or "
+            f"TiledCache); got {type(cache).__name__}"
+        )
+    if not isinstance(dropped, bool):
+        raise TypeError(f"dropped must be True or False; got {dropped!r}")
+    prob = cache.problem
+    B, H, _, Lq, Lk, _, _ = prob.shape
+    p = cache.p  # (B, Hkv, G*Lq, Lk)
+    xp = namespace(p)
+    w = _dropped(xp, p, prob) if dropped else p
+    w = xp.reshape(w, (B, H, Lq, Lk))
+    return xp.astype(w, prob.dtype, copy=True)  # never a view of the cache
 
 
 def check_dout(dout, sh: SDPAShape) -> None:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.function import once_differentiable
 
-from attngrad.core import dropout_mask
+from attngrad.core import attention_weights
 from attngrad.layers import key_mask_from_torch, mha_backward, mha_forward
 from attngrad.torch.sdpa import dropout_options
 
@@ -62,20 +62,9 @@ def _attngrad_params(w_in, w_q, w_k, w_v, b_in, w_out, b_out) -> dict:
 
 
 def _weights(attn_cache, lq: int, lk: int, options: LayerOptions):
-    """The attention weights (B, H, Lq, Lk) of a dense attngrad forward, as a new tensor:
-    P, or after dropout P * Z / (1 - p) with the forward's own mask Z, as torch returns."""
-    p = getattr(attn_cache, "p", None)  # (B, Hkv, G*Lq, Lk), before dropout
-    if p is None:
-        raise RuntimeError(
-            "need_weights=True needs the probabilities P of attngrad's dense forward "
-            f"(its cache has no field 'p': {type(attn_cache).__name__})"
-        )
-    w = p.reshape(p.shape[0], -1, lq, lk)  # (B, H, Lq, Lk)
-    if not options.dropout_p:
-        return w.clone()  # not aliased by the cache
-    z = dropout_mask(options.dropout_seed, tuple(w.shape), options.dropout_p)  # (B, H, Lq, Lk)
-    z = torch.as_tensor(z, device=w.device)
-    return torch.where(z, w * (1.0 / (1.0 - options.dropout_p)), torch.zeros((), dtype=w.dtype))  # (V3)
+    """The attention weights (B, H, Lq, Lk) of the forward, as a new tensor: P, or after
+    dropout P * Z / (1 - p) with the forward's own mask Z, as torch returns."""
+    return attention_weights(attn_cache, dropped=bool(options.dropout_p))  # (B, H, Lq, Lk)
 
 
 class MHAFunction(torch.autograd.Function):
