@@ -101,3 +101,15 @@ def test_bench_config_refuses(kwargs, match):
 
     with pytest.raises((ValueError, TypeError), match=match):
         BenchConfig(**kwargs)
+
+
+def test_time_is_estimated_before_any_work():
+    from attngrad.bench import BenchConfig, run_bench
+    from attngrad.bench.runner import TIME_LIMIT, estimate_seconds
+    from attngrad.resources import ResourceError
+
+    long = BenchConfig(sizes=(100000,), contenders=("attngrad_tiled",), layer=False)
+    assert estimate_seconds(long) > TIME_LIMIT
+    with pytest.raises(ResourceError, match="would take about"):
+        run_bench(long)
+    assert estimate_seconds(BenchConfig(sizes=(8,), rounds=1, memory=False, settle=0, layer=False)) < 1

@@ -94,6 +94,7 @@ BAD = [
     ("bench", ["--layer", "--layer-shape", "1,2,3"]),
     ("bench", ["--layer", "--layer-shape", "1,2,9,2"]),
     ("bench", ["--sizes", "100000", "--contenders", "attngrad_dense"]),
+    ("bench", ["--sizes", "100000", "--contenders", "attngrad_tiled"]),  # fits, but would take ~a day
     ("bench", ["--layer-shape", "1,2,8,2"]),  # --no-layer (in BENCH_BASE): cannot apply
     ("bench", ["--layer-contenders", "torch_mha"]),
     ("bench", ["--memory-max-dense-n", "100"]),  # --no-memory

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..core.parallel import available_cores, check_threads
-from ..resources import require_memory
+from ..resources import format_seconds, require_memory, require_time
 from .contenders import ATTENTION, REFERENCE, Case, contender, library
 from .memory import measure
 from .timing import summarize, time_round_robin
@@ -109,8 +109,9 @@ def _keeps_nxn(name: str) -> bool:
     return name in ("torch_naive", "attngrad_dense", "attngrad_mha_dense")
 
 
-def _run_cases(result: BenchResult, cases: list, names: tuple, cfg: BenchConfig) -> None:
+def _run_cases(result: BenchResult, cases: list, names: tuple, cfg: BenchConfig, say) -> None:
     for case in cases:
+        say(f"{case.kind} N={case.n}{' causal' if case.causal else ''}: {', '.join(names)}")
         times = {}
         if cfg.timing:
             steps = {name: contender(case.kind, name)(case) for name in names}
@@ -178,6 +179,20 @@ def _step_bytes(case: Case, name: str) -> tuple[float, float]:
     return inputs, peak
 
 
+FLOPS_PER_SECOND = 1e10  # a conservative rate for every contender (measured: 10-45 GFLOP/s)
+TIME_LIMIT = 6 * 3600.0  # refuse runs estimated to take longer than this (seconds)
+
+
+def estimate_seconds(cfg: BenchConfig) -> float:
+    """Rough wall time: every timed call (warm-up and rounds) and every memory measurement."""
+    cases, layer = _cases(cfg)
+    calls = (cfg.rounds + cfg.warmup) * cfg.timing + cfg.memory
+    total = 0.0
+    for case, names in [(c, cfg.contenders) for c in cases] + ([(layer, cfg.layer_contenders)] if layer else []):
+        total += len(names) * (calls * case.flops() / FLOPS_PER_SECOND + cfg.settle * calls * cfg.timing)
+    return total
+
+
 def estimate_memory(cfg: BenchConfig) -> float:
     """Rough peak bytes of the run: per case, every contender's inputs plus the largest step."""
     cases, layer = _cases(cfg)
@@ -188,16 +203,21 @@ def estimate_memory(cfg: BenchConfig) -> float:
     return worst
 
 
-def run_bench(cfg: BenchConfig) -> BenchResult:
+def run_bench(cfg: BenchConfig, *, progress=None) -> BenchResult:
     """Time (round robin, medians) and measure (fresh processes) every contender.
 
     Refused before any work: a selected torch contender without PyTorch (ImportError
     naming the extra), a run whose estimated memory exceeds the machine's available
-    memory (:class:`attngrad.resources.ResourceError`, a ValueError)."""
+    memory or whose estimated time exceeds TIME_LIMIT (:class:`attngrad.resources.ResourceError`,
+    a ValueError).  ``progress(text)``, if given, hears about each case."""
     require_torch(cfg)
     require_memory(estimate_memory(cfg), "this benchmark",
                    hint="use smaller --sizes, --batch, --heads or --head-dim, or leave out the "
                         "contenders that keep N x N (torch_naive, attngrad_dense)")
+    seconds = estimate_seconds(cfg)
+    require_time(seconds, TIME_LIMIT, "this benchmark", hint="use smaller --sizes or fewer --rounds")
+    say = progress or (lambda text: None)
+    say(f"estimated {format_seconds(seconds)}")
     threads = cfg.threads or available_cores()
     result = BenchResult(cfg, environment=_environment(threads))
     if any(library(n) == "torch" for n in selected(cfg)):
@@ -205,9 +225,9 @@ def run_bench(cfg: BenchConfig) -> BenchResult:
 
         torch.set_num_threads(threads)
     cases, layer = _cases(cfg)
-    _run_cases(result, cases, cfg.contenders, cfg)
+    _run_cases(result, cases, cfg.contenders, cfg, say)
     if layer is not None:
-        _run_cases(result, [layer], cfg.layer_contenders, cfg)
+        _run_cases(result, [layer], cfg.layer_contenders, cfg, say)
     if hasattr(os, "getloadavg"):
         result.environment["loadavg_end"] = os.getloadavg()[0]
     return result

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+import time
 
 from ..bench import ATTENTION, LAYER, BenchConfig, format_bench, run_bench
-from ..bench.runner import MAX_SETTLE
+from ..bench.runner import MAX_SETTLE, estimate_seconds
+from ..resources import format_seconds
 from .args import int_at_least, number_in, positive_ints
 
 _positive_int = int_at_least(1)
+PROGRESS_AFTER = 30.0  # seconds: longer runs report each case on stderr
 
 
 def _names(table):
@@ -93,6 +97,13 @@ def run(args) -> int:
         block_k=args.block_k, rounds=rounds, contenders=args.contenders,
         memory=args.memory, timing=args.timing, layer=args.layer, **given,
     )
-    result = run_bench(cfg)
+    progress = None
+    if estimate_seconds(cfg) > PROGRESS_AFTER:
+        t0 = time.perf_counter()
+
+        def progress(text):
+            print(f"attngrad bench: [{format_seconds(time.perf_counter() - t0)}] {text}", file=sys.stderr, flush=True)
+
+    result = run_bench(cfg, progress=progress)
     print(json.dumps(result.to_json(), indent=2) if args.json else format_bench(result))
     return 0
