@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..core.parallel import available_cores, check_threads
+from ..core.tiled import AUTO_TILED_MIN_ENTRIES  # impl="auto" keeps P below this many logits
 from ..resources import format_seconds, require_memory, require_time
 from .contenders import ATTENTION, REFERENCE, Case, contender, library
 from .memory import measure
@@ -157,7 +158,6 @@ def _cases(cfg: BenchConfig) -> tuple[list, Case | None]:
     return cases, layer
 
 
-DENSE_MAX_LOGITS = 2**24  # the layer's impl="auto" keeps P below this many logits (core's rule)
 
 
 def _step_bytes(case: Case, name: str) -> tuple[float, float]:
@@ -169,7 +169,7 @@ def _step_bytes(case: Case, name: str) -> tuple[float, float]:
         e = case.d
         inputs = (4 * e * e + 2 * b * n * e) * item
         dense = name == "attngrad_mha_dense" or (name in ("torch_mha", "attngrad_mha")
-                                                 and b * h * n * n < DENSE_MAX_LOGITS)
+                                                 and b * h * n * n < AUTO_TILED_MIN_ENTRIES)
         peak = 12 * b * n * e * item + (4 * b * h * n * n * item if dense else 0)
         return inputs, peak
     inputs = 4 * b * h * n * case.d * item  # q, k, v, dO

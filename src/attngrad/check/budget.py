@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from ..core.tiled import AUTO_TILED_MIN_ENTRIES  # impl="auto" keeps P below this many logits
 from .cases import CheckConfig
 
 FULL_FD_MAX = 1024  # entries (inputs + parameters) of a case checked element by element
 DIRECTIONS = 4  # random directions per gradient above that
-DENSE_MAX_LOGITS = 2**24  # mha_forward's "auto" keeps P below this many logits (core's rule)
 SECONDS_PER_CALL = 2e-3  # Python and NumPy overhead of one small forward (measured: 1-2 ms)
 FLOPS_PER_SECOND = 1e9  # float64, one core, conservative
 TIME_LIMIT = 1800.0  # refuse runs estimated to take longer than this (seconds)
@@ -65,7 +65,7 @@ def estimate(cfg: CheckConfig, *, torch: bool) -> CheckBudget:
         if cfg.dtype == "float64":
             calls = 2 * n if full[flavor] else 2 * DIRECTIONS * 10  # at most 10 gradients
             seconds += calls * call
-        per_logit = (4 * item if logits < DENSE_MAX_LOGITS else 0)  # the dense path: S, P, dP, dS
+        per_logit = (4 * item if logits < AUTO_TILED_MIN_ENTRIES else 0)  # the dense path: S, P, dP, dS
         per_logit += 6 * item + 2 if torch else 0  # autograd keeps scores, probabilities, masks, grads
         per_logit += item + 1 if "random" in cfg.masks else 0  # the random mask and its draw
         tiles = 16 * cfg.batch * cfg.heads * (lq + lk) * (cfg.width // cfg.heads) * item  # tiled path
