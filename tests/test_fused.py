@@ -1,7 +1,8 @@
-"""The tiled path's fused tile kernels (core/fused.py, numba) against its NumPy code.
+"""The fused kernels (core/fused.py, numba) against the NumPy code they replace: the tiled
+path's tile kernels and the dense path's row softmax and dS kernels.
 
-Both runs of each case go through ``sdpa_forward(impl="tiled")``; the NumPy one is forced
-with ``ATTNGRAD_NO_NUMBA=1``.  float64: max rel err <= 1e-10 between the two, over every
+Both runs of each case go through ``sdpa_forward``; the NumPy one is forced with
+``ATTNGRAD_NO_NUMBA=1``.  float64: max rel err <= 1e-10 between the two, over every
 variant.  float32: each is measured against a float64 run; the fused error may be at most
 2x the NumPy error plus a floor of a few ulps (FlashAttention's rule, RELIABILITY 24).
 Results are bitwise identical across calls and thread counts 1, 2, 3 on both.  Without
@@ -65,13 +66,15 @@ def _case(seed, shape, variant):
     return x, opts
 
 
-def _run(x, opts, dtype, use_fused, monkeypatch, **tiles):
+def _run(x, opts, dtype, use_fused, monkeypatch, impl="tiled", **tiles):
     monkeypatch.setenv(fused.ENV_DISABLE, "0" if use_fused else "1")
     cast = {n: np.asarray(a, dtype=dtype) for n, a in x.items()}
     o = {n: (a.astype(dtype) if isinstance(a, np.ndarray) and a.dtype.kind == "f" else a)
          for n, a in opts.items()}
-    out, cache = ag.sdpa_forward(cast["q"], cast["k"], cast["v"], impl="tiled", **o, **tiles)
-    assert cache.tiling.fused is use_fused
+    tiles = tiles if impl == "tiled" else {}
+    out, cache = ag.sdpa_forward(cast["q"], cast["k"], cast["v"], impl=impl, **o, **tiles)
+    if impl == "tiled":
+        assert cache.tiling.fused is use_fused
     return {"out": out, **ag.sdpa_backward(cast["dout"], cache)}
 
 
@@ -94,15 +97,44 @@ def _err(got, ref):
 @needs_numba
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("shape", SHAPES)
-def test_fused_float32_within_twice_numpy(shape, variant, monkeypatch):
+def test_dense_fused_equals_numpy_float64(shape, variant, monkeypatch):
+    x, opts = _case(4, shape, variant)
+    ref = _run(x, opts, np.float64, False, monkeypatch, impl="dense")
+    got = _run(x, opts, np.float64, True, monkeypatch, impl="dense")
+    assert_close_rel(got, ref, what=f"dense {shape} {variant}: ")
+
+
+@needs_numba
+@pytest.mark.parametrize("impl", ["tiled", "dense"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("shape", SHAPES)
+def test_fused_float32_within_twice_numpy(shape, variant, impl, monkeypatch):
     x, opts = _case(5, shape, variant)
-    tiles = {"block_q": 8, "block_k": 16, "threads": 2}
+    tiles = {"block_q": 8, "block_k": 16, "threads": 2, "impl": impl}
     ref = _run(x, opts, np.float64, False, monkeypatch, **tiles)
     e_np = _err(_run(x, opts, np.float32, False, monkeypatch, **tiles), ref)
     e_fu = _err(_run(x, opts, np.float32, True, monkeypatch, **tiles), ref)
     for n in ref:
         floor = ULPS * EPS32 * float(np.max(np.abs(ref[n]), initial=0.0))
         assert e_fu[n] <= 2.0 * e_np[n] + floor, f"{variant} {n}: fused {e_fu[n]:.3g} vs NumPy {e_np[n]:.3g}"
+
+
+@needs_numba
+@pytest.mark.parametrize("rows", [3, 700])
+def test_dense_row_kernels_do_not_depend_on_the_row_split(rows, monkeypatch):
+    rng = np.random.default_rng(rows)
+    s = rng.standard_normal((rows, 131)).astype(np.float32) * 4
+    s[1, :] = -np.inf  # a row with nothing allowed
+    dp = rng.standard_normal(s.shape).astype(np.float32)
+    results = []
+    for cores in (1, 2, 3):
+        monkeypatch.setattr(fused, "available_cores", lambda c=cores: c)
+        monkeypatch.setattr(fused, "_PARALLEL_MIN_SIZE", 1)
+        p = fused.softmax_inplace(s.copy())
+        ds, delta = fused.dsoftmax_inplace(dp.copy(), p)
+        results.append((p.tobytes(), ds.tobytes(), delta.tobytes()))
+    assert results[0] == results[1] == results[2]
+    assert np.all(p[1] == 0) and np.allclose(p.sum(axis=1)[[0, 2]], 1, rtol=1e-6)
 
 
 @needs_numba
@@ -165,3 +197,22 @@ def test_without_numba_the_numpy_code_runs(monkeypatch):
     dense_out, cache = ag.sdpa_forward(x["q"], x["k"], x["v"], impl="dense", **opts)
     ref = {"out": dense_out, **ag.sdpa_backward(x["dout"], cache)}
     assert_close_rel(got, ref, what="no numba: ")
+
+
+def test_auto_prefers_tiled_for_causal_problems_of_several_tiles():
+    from attngrad.core.problem import make_problem
+    from attngrad.core.tiled import choose_impl
+
+    none = dict(mask=None, key_lengths=None, key_mask=None, bias=None, scale=None, softcap=None,
+                sinks=None, alibi_slopes=None, window=None, q_segment_ids=None,
+                kv_segment_ids=None, dropout_p=0.0, dropout_seed=None, scale_grad=False)
+
+    def problem(n, heads, **kw):
+        q = np.zeros((1, heads, n, 8), dtype=np.float32)
+        return make_problem(np, q, q, q, **{**none, "causal": False, **kw})
+
+    assert choose_impl(np, problem(1024, 2, causal=True)) == "tiled"
+    assert choose_impl(np, problem(1024, 2, window=(64, 0))) == "tiled"
+    assert choose_impl(np, problem(1024, 2)) == "dense"  # nothing to skip
+    assert choose_impl(np, problem(256, 32, causal=True)) == "dense"  # one query tile
+    assert choose_impl(np, problem(1024, 2, causal=True).shape) == "dense"  # size only

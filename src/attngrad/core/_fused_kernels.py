@@ -157,3 +157,48 @@ def vexp(x, out):
     """out <- e^x elementwise on flat arrays (the kernels' exponential, for tests)."""
     for i in range(x.size):
         out[i] = exp_(x[i])
+
+
+@_jit
+def softmax_rows(s, r0, r1):
+    """(A2) rows [r0, r1) of s (rows, n) in place: P = e^(S - m) / sum, m the row max
+    (0 for a row with nothing allowed: all -inf gives P = 0)."""
+    for i in range(r0, r1):
+        row = s[i]
+        mx = _rowmax(row, row[0])  # rows of length >= 1
+        zero = narrow(mx, 0.0)
+        sh = mx if abs(mx) < np.inf else zero
+        for j in range(row.shape[0]):
+            row[j] = exp_(row[j] - sh)
+        z = _rowsum(row, zero)
+        if not z > zero:
+            z = narrow(z, 1.0)
+        for j in range(row.shape[0]):
+            row[j] = row[j] / z
+
+
+@_jit
+def dsoftmax_rows(dp, p, delta, r0, r1):
+    """(A6, A7) rows [r0, r1) of dP (rows, n) in place: delta_i = sum_j P_ij dP_ij (in
+    float64, 8 partials), then dS = P * (dP - delta) with the difference rounded to dP's
+    dtype; delta (rows,) float64 is written."""
+    n = dp.shape[1]
+    n8 = n - n % 8
+    for i in range(r0, r1):
+        row, prow = dp[i], p[i]
+        t0 = t1 = t2 = t3 = t4 = t5 = t6 = t7 = 0.0
+        for j in range(0, n8, 8):
+            t0 += np.float64(prow[j]) * np.float64(row[j])
+            t1 += np.float64(prow[j + 1]) * np.float64(row[j + 1])
+            t2 += np.float64(prow[j + 2]) * np.float64(row[j + 2])
+            t3 += np.float64(prow[j + 3]) * np.float64(row[j + 3])
+            t4 += np.float64(prow[j + 4]) * np.float64(row[j + 4])
+            t5 += np.float64(prow[j + 5]) * np.float64(row[j + 5])
+            t6 += np.float64(prow[j + 6]) * np.float64(row[j + 6])
+            t7 += np.float64(prow[j + 7]) * np.float64(row[j + 7])
+        d = ((t0 + t1) + (t2 + t3)) + ((t4 + t5) + (t6 + t7))
+        for j in range(n8, n):
+            d += np.float64(prow[j]) * np.float64(row[j])
+        delta[i] = d
+        for j in range(n):
+            row[j] = narrow(row[j], row[j] - d) * prow[j]

@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from . import fused
 from ._xp import Array
 from .dropout import keep_heads
 from .logits import alibi_distance, form_logits, softcap_backward
@@ -146,8 +147,12 @@ def softmax_with_sinks(xp, s, allowed=None, sinks=None, *, overwrite: bool = Fal
     """
     if s.shape[-1] == 0 and sinks is None:
         return s, None
-    if allowed is not None:
+    if allowed is not None and xp is np and overwrite:
+        np.copyto(s, -np.inf, where=~allowed)  # in place: no (.., Lq, Lk) temporary
+    elif allowed is not None:
         s = xp.where(allowed, s, xp.asarray(-math.inf, dtype=s.dtype))
+    if _use_fused(xp, s) and sinks is None and (overwrite or allowed is not None):
+        return fused.softmax_inplace(s), None  # (A2) the steps below in one kernel per row
     m = xp.max(s, axis=-1, keepdims=True) if s.shape[-1] else xp.full(
         (*s.shape[:-1], 1), -math.inf, dtype=s.dtype
     )  # (..., 1) row max
@@ -166,6 +171,15 @@ def softmax_with_sinks(xp, s, allowed=None, sinks=None, *, overwrite: bool = Fal
     z = xp.where(z > 0, z, xp.ones((), dtype=z.dtype))
     p = np.divide(e, z, out=e) if xp is np else e / z
     return p, None if es is None else es / z
+
+
+def _use_fused(xp, a) -> bool:
+    """The fused row kernels (:mod:`.fused`) for a C-contiguous float32/float64 NumPy
+    array with rows, when numba is available and not disabled."""
+    return (
+        xp is np and isinstance(a, np.ndarray) and a.dtype in (np.float32, np.float64)
+        and a.flags.c_contiguous and a.ndim >= 1 and a.shape[-1] > 0 and fused.enabled()
+    )
 
 
 def masked_softmax(xp, s, allowed=None, *, overwrite: bool = False):
@@ -190,11 +204,18 @@ def dense_backward(xp, do, cache: SDPACache) -> dict:
     # (A6) delta = rowsum(P * dP): with P at hand, the form whose rounding matches dP's, so
     # dP - delta cancels as exactly as the maths (float32 rule, RELIABILITY 24); the tiled
     # path, which has no P row, uses the equal rowsum(dO * O).
-    delta = xp.sum(p * dp, axis=-1, keepdims=True)  # (A6) (B, Hkv, G*Lq, 1)
-    dp -= delta
-    ds = dp
-    ds *= p  # (A7) dS = P * (dP - delta), in dP's buffer  (B, Hkv, G*Lq, Lk)
-    if cache.flat is not None:
+    if _use_fused(xp, dp) and p.flags.c_contiguous:
+        ds, delta = fused.dsoftmax_inplace(dp, p)  # (A6, A7) one kernel per row, delta in float64
+    else:
+        delta = xp.sum(p * dp, axis=-1, keepdims=True)  # (A6) (B, Hkv, G*Lq, 1)
+        dp -= delta
+        ds = dp
+        ds *= p  # (A7) dS = P * (dP - delta), in dP's buffer  (B, Hkv, G*Lq, Lk)
+    if cache.flat is not None and xp is np:
+        ds5 = ds.reshape(B, Hkv, G, Lq, Lk)  # (B, Hkv, G, Lq, Lk)
+        np.copyto(ds5, 0, where=cache.flat)  # (A7) in place (ds is ours)
+        ds = ds5.reshape(B, Hkv, G * Lq, Lk)
+    elif cache.flat is not None:
         ds5 = xp.reshape(ds, (B, Hkv, G, Lq, Lk))
         ds = xp.reshape(xp.where(cache.flat, xp.zeros((), dtype=ds.dtype), ds5), (B, Hkv, G * Lq, Lk))  # (A7)
     grads = {}

@@ -36,8 +36,11 @@ environment variable ``ATTNGRAD_NO_NUMBA`` unset, empty or "0".  The first call 
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+
+from .parallel import available_cores
 
 ENV_DISABLE = "ATTNGRAD_NO_NUMBA"
 _KERNELS = None  # the compiled kernels (a dict), False when numba is missing
@@ -76,8 +79,47 @@ def _kernels():
                 "tile_exp": k.tile_exp,
                 "tile_dsoftmax": k.tile_dsoftmax,
                 "vexp": k.vexp,
+                "softmax_rows": k.softmax_rows,
+                "dsoftmax_rows": k.dsoftmax_rows,
             }
     return _KERNELS or None
+
+
+_MIN_ROWS_PER_WORKER = 64
+_PARALLEL_MIN_SIZE = 1 << 16
+
+
+def _split_rows(kernel, rows: int, size: int, *args) -> None:
+    """``kernel(*args, r0, r1)`` over row ranges split across the available cores (the
+    kernels release the GIL); each row is computed alone, so the split does not change a
+    bit of the result."""
+    n = min(available_cores(), max(1, rows // _MIN_ROWS_PER_WORKER))
+    if n == 1 or size < _PARALLEL_MIN_SIZE:
+        kernel(*args, 0, rows)
+        return
+    bounds = [rows * w // n for w in range(n + 1)]
+    with ThreadPoolExecutor(max_workers=n) as pool:
+        futures = [pool.submit(kernel, *args, bounds[w], bounds[w + 1]) for w in range(n)]
+        for f in futures:
+            f.result()
+
+
+def softmax_inplace(s):
+    """(A2) the row softmax over the last axis of a C-contiguous NumPy array, in place:
+    -inf entries (masked) give 0, a row with nothing allowed all 0.  Returns ``s``."""
+    s2 = s.reshape(-1, s.shape[-1]) if s.ndim else s.reshape(1, 1)  # a view (C-contiguous)
+    _split_rows(kernels()["softmax_rows"], s2.shape[0], s.size, s2)
+    return s
+
+
+def dsoftmax_inplace(dp, p):
+    """(A6, A7) dS = P * (dP - delta) in dP's buffer, delta = rowsum(P * dP) summed in
+    float64; both C-contiguous of one shape.  Returns ``(dS, delta)``, delta (..., 1) float64."""
+    n = dp.shape[-1]
+    dp2, p2 = dp.reshape(-1, n), p.reshape(-1, n)  # views (C-contiguous)
+    delta = np.empty(dp2.shape[0], dtype=np.float64)
+    _split_rows(kernels()["dsoftmax_rows"], dp2.shape[0], dp.size, dp2, p2, delta)
+    return dp, delta.reshape(*dp.shape[:-1], 1)
 
 
 def exp(x):

@@ -122,10 +122,28 @@ def make_tiling(block_q=None, block_k=None, threads=None) -> Tiling:
     return Tiling(out[0], out[1], check_threads(threads), fused.enabled())
 
 
-def choose_impl(xp, sh: SDPAShape) -> str:
-    """impl="auto": tiled for NumPy inputs of at least AUTO_TILED_MIN_ENTRIES logits."""
+# With a causal or window rule the tiled path skips whole tiles and the dense path computes
+# and masks all Lq x Lk entries: from this many logits (and more than one query tile) the
+# tiled path is the faster one (CPU time, one thread, B=1 D=64 N=1024 causal, fused kernels:
+# tiled 34 ms vs dense 64 ms at H=2, 147 vs 184 ms at H=8; docs/performance.md, issue 13).
+AUTO_TILED_SKIP_MIN_ENTRIES = 1 << 21
+
+
+def choose_impl(xp, prob) -> str:
+    """impl="auto": tiled for NumPy inputs of at least AUTO_TILED_MIN_ENTRIES logits, or of
+    AUTO_TILED_SKIP_MIN_ENTRIES when ``prob`` is a :class:`Problem` whose causal or window
+    rule lets the tiled path skip tiles.  ``prob``: a Problem, or an SDPAShape (size only)."""
+    sh = prob.shape if isinstance(prob, Problem) else prob
     entries = sh.batch * sh.heads * sh.lq * sh.lk
-    return "tiled" if xp is np and entries >= AUTO_TILED_MIN_ENTRIES else "dense"
+    if xp is not np:
+        return "dense"
+    if entries >= AUTO_TILED_MIN_ENTRIES:
+        return "tiled"
+    spec = prob.spec if isinstance(prob, Problem) else None
+    skips = spec is not None and (spec.causal is not None or spec.window is not None)
+    if skips and sh.lq > DEFAULT_BLOCK_Q and entries >= AUTO_TILED_SKIP_MIN_ENTRIES:
+        return "tiled"
+    return "dense"
 
 
 def _index(a, b: int, h: int):
