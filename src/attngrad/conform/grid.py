@@ -17,6 +17,7 @@ DTYPES = ("float64", "float32", "float16", "bfloat16")
 MASKS = ("none", "padding", "random", "fully_masked")
 CAUSALS = ("none", "top_left", "bottom_right")
 BIAS_SHAPES = ("none", "BHQK", "1HQK", "B11K", "QK")  # the bias's shape, broadcast to (B, H, Lq, Lk)
+MAX_LOGITS = 1 << 24  # B*H*Lq*Lk of one case: the dense reference keeps several such arrays
 PROBES = ("none", "nan_keys", "inf_values", "large_logits", "determinism")
 
 # Variants of the variants issue: name -> the keyword option of sdpa_forward that carries it.
@@ -203,6 +204,12 @@ def check_case(case: Case) -> None:
     sizes = {k: getattr(case, k) for k in ("b", "h", "hkv", "lq", "lk", "d", "dv")}
     if any(v < 1 or v > 1 << 14 for v in sizes.values()):
         raise ValueError(f"case sizes must lie in 1..16384; got {sizes}")
+    logits = case.b * case.h * case.lq * case.lk
+    if logits > MAX_LOGITS:
+        raise ValueError(
+            f"case needs B*H*Lq*Lk = {logits} logits (about {logits * 8 * 6 >> 20} MiB in float64); "
+            f"at most {MAX_LOGITS} are allowed"
+        )
     if case.h % case.hkv:
         raise ValueError(f"case h={case.h} must be a multiple of hkv={case.hkv}")
     if case.window != "none":
