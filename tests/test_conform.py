@@ -322,3 +322,15 @@ def test_an_independent_correct_kernel_passes_every_small_case(case):
     assert again == case and again.seed == case.seed
     report = conform(NumpyAttention(), cases=[case])
     assert report.counts["pass"] == 1, format_report(report)
+
+
+def test_a_variant_the_reference_lacks_is_skipped_with_that_reason(monkeypatch):
+    import importlib
+
+    targets = importlib.import_module("attngrad.conform.targets")
+    full = targets.reference_signature()
+    monkeypatch.setattr(targets, "reference_signature", lambda: full - {"softcap"})
+    case = next(c for c in TINY if c.family == "softcap")
+    report = conform("torch.naive", cases=[case, TINY[0]])
+    assert [r.verdict for r in report.results] == ["skipped", "pass"]
+    assert report.results[0].reason == "reference lacks softcap"
