@@ -142,6 +142,7 @@ def test_cli_killed_from_outside_then_resumed(tmp_path, reference):
     if proc.poll() is None:
         proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
+    proc.stderr.close()
     r = subprocess.run([sys.executable, "-m", "attngrad", "train", "--out", str(out), "--resume", "--quiet",
                         "--no-plots"], env=_env(), capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr

@@ -122,7 +122,8 @@ def load_checkpoint(path, *, expected: dict | None = None) -> tuple[dict, dict]:
     if not path.is_file():
         raise _refuse(path, "no such file")
     try:
-        with np.load(path, allow_pickle=False) as z:
+        # our own file object: closed whatever np.load makes of a damaged file
+        with open(path, "rb") as fh, np.load(fh, allow_pickle=False) as z:
             if META_KEY not in z.files:
                 raise _refuse(path, "not an attngrad checkpoint (no metadata entry)")
             meta_bytes = z[META_KEY]
