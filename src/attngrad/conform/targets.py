@@ -287,6 +287,8 @@ def sdpa_runner(fn, backend: str | None = None) -> Callable[[Problem], Result]:
 
             with sdpa_kernel(getattr(SDPBackend, backend)):
                 out = fn(leaves["q"], leaves["k"], leaves["v"], **kwargs)
+        if isinstance(out, tuple):  # (out, lse, ...) from kernels that return more
+            out = out[0]
         (out * torch.from_numpy(problem.dout).to(dt)).sum().backward()
         return _collect(out, leaves)
 
