@@ -48,8 +48,9 @@ def test_tiled_peak_memory_is_linear_in_n():
         assert p1 <= 2.2 * p0, f"peak grew {p1 / p0:.2f}x from N={n0} to N={n1} (linear: <= 2x)"
 
 
-@pytest.mark.parametrize("n", [256])
+@pytest.mark.parametrize("n", [512])
 def test_dense_peak_memory_is_quadratic_so_the_measurement_can_tell(n):
+    _peak_bytes(64, "dense")  # one-time allocations (the fused kernels load on a first call)
     small, large = _peak_bytes(n, "dense"), _peak_bytes(2 * n, "dense")
     assert large >= 3.5 * small, f"dense peak grew only {large / small:.2f}x when N doubled"
 
