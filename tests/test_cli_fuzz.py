@@ -107,7 +107,7 @@ BAD = [
     ("derive", ["--format", "pdf"]),
     ("derive", ["surplus"]),
     # graph
-    ("graph", ["-o", "{tmp}/g.pdf"]),
+    ("graph", ["-o", "{tmp}/g.jpeg"]),
     ("graph", ["-o", "{tmp}/g.txt"]),
     ("graph", ["-o", "{tmp}/g.svg", "--format", "png"]),
     ("graph", ["--flavor", "nope", "-o", "{tmp}/g.dot"]),
@@ -178,8 +178,8 @@ def test_nothing_is_written_for_a_refused_run(tmp_path, capsys):
         code, _, _ = _run_in_process(["train", *TRAIN_BASE, *options, "--out", str(tmp_path / "run")], capsys)
         assert code == 2
         assert not (tmp_path / "run").exists()
-    code, _, _ = _run_in_process(["graph", "-o", str(tmp_path / "g.pdf")], capsys)
-    assert code == 2 and not (tmp_path / "g.pdf").exists()
+    code, _, _ = _run_in_process(["graph", "-o", str(tmp_path / "g.jpeg")], capsys)
+    assert code == 2 and not (tmp_path / "g.jpeg").exists()
 
 
 # ------------------------------------------------------------ real processes
@@ -189,7 +189,7 @@ SUBPROCESS = [
     ["train", "--out", "{file}/sub"],
     ["check", "--lq", "100000", "--lk", "100000"],
     ["bench", "--sizes", "100000", "--contenders", "attngrad_dense", "--no-layer"],
-    ["graph", "-o", "{tmp}/g.pdf"],
+    ["graph", "-o", "{tmp}/g.jpeg"],
     ["check", "--flavor", "causal", "--lq", "5", "--lk", "9", "--causal-align", "bottom_right"],
 ]
 

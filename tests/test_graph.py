@@ -72,9 +72,16 @@ def test_errors(tmp_path, capsys):
         graph_dot("nope")
 
 
-@pytest.mark.parametrize("name", ["g.pdf", "g.txt", "g.jpeg"])
+@pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz's dot is not installed")
+def test_pdf_is_written_as_pdf(tmp_path):
+    """`graph -o g.pdf` used to write DOT text into g.pdf and exit 0: now a real PDF."""
+    assert main(["graph", "-o", str(tmp_path / "g.pdf")]) == 0
+    assert (tmp_path / "g.pdf").read_bytes().startswith(b"%PDF")
+
+
+@pytest.mark.parametrize("name", ["g.txt", "g.jpeg"])
 def test_a_suffix_it_cannot_write_is_refused_and_nothing_written(tmp_path, capsys, name):
-    """`graph -o g.pdf` used to write DOT text into g.pdf and exit 0."""
+    """A suffix that names no format Graphviz writes here is refused, nothing written."""
     assert main(["graph", "-o", str(tmp_path / name)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "names no format" in err[0]

@@ -58,4 +58,15 @@ def weight_grad(xp, x: Array, dy: Array) -> Array:
     return xp.matrix_transpose(x2) @ dy2  # (F2) (in, out)
 
 
-__all__ = ["merge_heads", "project", "split_heads", "weight_grad"]
+def bias_grad(xp, dy: Array) -> Array:
+    """dY (..., out) summed over every leading axis: (out,), in dY's dtype.
+
+    Summed in float64: a float32 sum over many rows (B * L can be 10^5) loses digits that
+    a float32 PyTorch reduction keeps (FlashAttention's 2x rule, RELIABILITY 24).
+    """
+    n_out = dy.shape[-1]
+    dy2 = xp.reshape(dy, (-1, n_out))  # (N, out)
+    return xp.astype(xp.sum(dy2, axis=0, dtype=xp.float64), dy.dtype)  # (F2) (out,)
+
+
+__all__ = ["bias_grad", "merge_heads", "project", "split_heads", "weight_grad"]

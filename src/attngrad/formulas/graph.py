@@ -18,7 +18,7 @@ from .expr import Add, Expr
 from .rope_norm import EXTRA
 from .variants import is_variant_key
 
-GRAPH_FORMATS = ("dot", "svg", "png")
+GRAPH_FORMATS = ("dot", "svg", "png", "pdf")
 _HEAD = ("Q_h", "K_h", "V_h", "S_h", "P_h", "O_h", "dQ_h")
 _STYLE = {
     "input": 'shape=box, style="rounded,filled", fillcolor="#dbeafe"',
@@ -113,10 +113,10 @@ def graph_dot(flavor: str) -> str:
 
 
 def write_graph(flavor: str, path, fmt: str | None = None) -> list:
-    """Write the graph to ``path``; ``fmt`` (default: from the suffix) is dot, svg or png.
+    """Write the graph to ``path``; ``fmt`` (default: from the suffix) is dot, svg, png or pdf.
 
-    The DOT source is always written (beside the image, suffix .dot, for svg/png).
-    Returns the paths written.  svg/png need Graphviz's ``dot``: GraphvizError without it.
+    The DOT source is always written (beside the image, suffix .dot, for svg/png/pdf).
+    Returns the paths written.  svg/png/pdf need Graphviz's ``dot``: GraphvizError without it.
     """
     path = Path(path)
     fmt = fmt or (path.suffix[1:].lower() if path.suffix[1:].lower() in GRAPH_FORMATS else "dot")

@@ -23,7 +23,7 @@ import numpy as np
 
 from ..core._xp import Array, check_array, check_float_dtypes, dtype_name, namespace
 from ..core.sdpa import SDPACache, sdpa_backward, sdpa_forward
-from ..ops import merge_heads, project, split_heads, weight_grad
+from ..ops import bias_grad, merge_heads, project, split_heads, weight_grad
 from .qk_prep import NORM_WEIGHTS, QKPrepCache, check_qk_options, qk_prep_backward, qk_prep_forward
 
 WEIGHTS = ("W_q", "W_k", "W_v", "W_o")
@@ -256,7 +256,7 @@ def mha_backward(dy, cache: MHACache) -> tuple[dict, dict]:
     grads = {}
     grads["W_o"] = weight_grad(xp, cache.context, dy)  # (M5) dW_o = C^T dY
     if "b_o" in p:
-        grads["b_o"] = xp.sum(dy, axis=(0, 1))  # (M5) db_o = sum dY
+        grads["b_o"] = bias_grad(xp, dy)  # (M5) db_o = sum dY
     dc = dy @ xp.matrix_transpose(p["W_o"])  # (M5) dC = dY W_o^T  (B, Lq, H*Dv)
     g = sdpa_backward(split_heads(xp, dc, cache.heads), cache.attn)  # (M6) per-head A4-A9, V1-V7
     for name in VARIANT_PARAMS:  # learned sinks and slopes (V2, V4)
@@ -270,7 +270,7 @@ def mha_backward(dy, cache: MHACache) -> tuple[dict, dict]:
         dproj = merge_heads(xp, g[role[0]])  # (B, L, heads*D): dQ, dK or dV
         grads[w] = weight_grad(xp, x, dproj)  # (M7) dW = X^T dQ
         if b in p:
-            grads[b] = xp.sum(dproj, axis=(0, 1))  # (M7) db = sum dQ
+            grads[b] = bias_grad(xp, dproj)  # (M7) db = sum dQ
         dx = dproj @ xp.matrix_transpose(p[w])  # (M8) dX = dQ W^T
         src = cache.sources["qkv".index(role[0])]
         inputs[src] = dx if src not in inputs else inputs[src] + dx  # (M9)

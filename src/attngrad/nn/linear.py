@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..ops import project, weight_grad
+from ..ops import bias_grad, project, weight_grad
 
 
 class LinearCache(NamedTuple):
@@ -46,6 +46,6 @@ def linear_backward(dy, cache: LinearCache):
     grads = {"W": weight_grad(np, cache.x, dy)}  # (F2) (in, out)
     dy2 = dy.reshape(-1, dy.shape[-1])  # (N, out)
     if cache.has_bias:
-        grads["b"] = dy2.sum(axis=0)  # (F2) (out,)
+        grads["b"] = bias_grad(np, dy2)  # (F2) (out,)
     dx = (dy2 @ cache.w.T).reshape(cache.x.shape)  # (F3) (..., in)
     return dx, grads

@@ -27,11 +27,10 @@ TITLES = {
 }
 
 
-def save_attention_snapshot(params, cfg, example, out, step: int) -> Path:
-    """Attention maps (per flavor and layer, (H, Lq, Lk)) of ``example`` at ``step``."""
-    from ..train.loop import attention_for  # the training loop imports this module lazily
-
-    maps, labels = attention_for(params, cfg, example)
+def save_attention_snapshot(maps: dict, labels: dict, out, step: int) -> Path:
+    """Save attention maps at ``step``: ``maps`` {flavor: [per layer (B, H, Lq, Lk)]} and
+    ``labels`` {flavor: (query tokens, key tokens)}, as the training loop's attention_for
+    gives them; each map is kept as (H, Lq, Lk) of the first sequence."""
     d = Path(out) / "attention"
     d.mkdir(parents=True, exist_ok=True)
     arrays = {}

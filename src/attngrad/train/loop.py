@@ -476,7 +476,7 @@ def train(cfg: TrainConfig, out, *, resume=None, progress=True, plots=True, hook
             if writer and (step % cfg.eval_every == 0 or step == cfg.steps):
                 last_eval = text.evaluate(params, cfg, eval_set) if text else evaluate(params, cfg, eval_set)
                 write({"step": step, **last_eval})
-                save_attention_snapshot(params, cfg, example, out, step)  # for the run's report.html
+                save_attention_snapshot(*attention_for(params, cfg, example), out, step)  # for the run's report.html
                 bar.message(f"step {step}: {T.describe(last_eval)}" if text else
                             f"step {step}: held-out exact match {last_eval['eval_exact']:.2%}, "
                             f"token accuracy {last_eval['eval_token_acc']:.2%}")
