@@ -216,3 +216,35 @@ def test_auto_prefers_tiled_for_causal_problems_of_several_tiles():
     assert choose_impl(np, problem(1024, 2)) == "dense"  # nothing to skip
     assert choose_impl(np, problem(256, 32, causal=True)) == "dense"  # one query tile
     assert choose_impl(np, problem(1024, 2, causal=True).shape) == "dense"  # size only
+
+
+@needs_numba
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_tile_kernels_match_the_numpy_steps(dtype):
+    k = fused.kernels()
+    rng = np.random.default_rng(1)
+    s = (rng.standard_normal((13, 21)) * 3).astype(dtype)
+    s[2] = -np.inf  # a row with nothing allowed
+    s[4, 5:] = -np.inf
+    lse, delta = rng.standard_normal(13) + 2, rng.standard_normal(13)
+    dp = rng.standard_normal((13, 21)).astype(dtype)
+    p_np = s.copy()
+    p_np -= lse[:, None]
+    np.exp(p_np, out=p_np)
+    p = s.copy()
+    k["tile_exp"](p, lse)
+    np.testing.assert_allclose(p, p_np, rtol=4 * np.finfo(dtype).eps, atol=0)
+    ds_np = dp.copy()
+    ds_np -= delta[:, None]
+    ds_np *= p_np
+    ds = dp.copy()
+    k["tile_dsoftmax"](ds, p_np, delta)
+    assert ds.tobytes() == ds_np.tobytes()  # the same two roundings
+    m, l, acc = np.full(13, -np.inf, dtype), np.zeros(13, dtype), np.ones((13, 3))
+    e = s.copy()
+    k["online_softmax"](e, m, l, acc)
+    mx = s.max(axis=1)
+    e_np = np.exp(s - np.where(np.isfinite(mx), mx, 0)[:, None])
+    np.testing.assert_allclose(e, e_np, rtol=4 * np.finfo(dtype).eps, atol=0)
+    np.testing.assert_allclose(l, e_np.sum(axis=1), rtol=8 * np.finfo(dtype).eps)
+    assert np.array_equal(m, mx) and np.all(acc == 0)  # e^(-inf - m') = 0 rescales to 0

@@ -1,28 +1,30 @@
-"""Fused tile kernels for the tiled path (optional: the ``fast`` extra, numba).
+"""Fused kernels for the dense and tiled paths (optional: the ``fast`` extra, numba).
 
-The tiled path's matrix products stay in BLAS (``np.matmul`` releases the GIL); what costs
-the time around them is the elementwise work on each (block_q x block_k) tile, which
-NumPy does in one pass per operation, each pass a round trip through memory, with a
-float32 ``exp`` that has no AVX2 loop.  These kernels do that work row by row while the row
-sits in L1, in two passes per tile:
+The matrix products stay in BLAS (``np.matmul`` releases the GIL); what costs the time
+around them is the elementwise work (max, subtract, exp, sum, divide; dP - delta, times P),
+which NumPy does in one pass per operation, each pass a round trip through memory.  These
+kernels (in :mod:`._fused_kernels`) do it row by row while the row sits in L1:
 
-- :func:`online_softmax` (forward, FA3): row max, e^(S - m'), row sum, and the rescale
-  of l and of the output accumulator by e^(m - m'), in place;
-- :func:`tile_exp` (backward, FA2): P = e^(S - lse), in place;
-- :func:`tile_dsoftmax` (backward, A7): dS = P * (dP - delta), in place in dP's buffer.
+- tiled path, per (block_q x block_k) tile: ``online_softmax`` (forward, FA3: row max,
+  e^(S - m'), row sum, the rescale of l and of the output accumulator by e^(m - m'));
+  ``tile_exp`` (backward, FA2: P = e^(S - lse)); ``tile_dsoftmax`` (backward, A7:
+  dS = P * (dP - delta), in dP's buffer);
+- dense path, per row of the whole (.., Lq, Lk) array, rows split across the cores:
+  :func:`softmax_inplace` (A2) and :func:`dsoftmax_inplace` (A6 with delta summed in
+  float64, then A7).
 
-Each kernel computes exactly the operations of the NumPy code it replaces, in the same
-dtypes (S - shift in the compute dtype, S - lse and dP - delta against a float64 lse and
-delta, rounded to the compute dtype), so the fused and the NumPy paths differ only by the
-exponential's rounding; :func:`tile_dsoftmax` is bitwise equal to the NumPy steps.
+The tile kernels compute the operations of the NumPy code they replace in the same dtypes
+(S - shift in the compute dtype; S - lse and dP - delta against a float64 lse and delta,
+rounded to the compute dtype), so the two differ only by the exponential's rounding and
+the order of the row sums; ``tile_dsoftmax`` is bitwise equal to the NumPy steps.
 
 The float32 exponential (:func:`exp32`) is Cephes' expf, written so that LLVM vectorises
 it: Cody-Waite range reduction x = n ln2 + r with n from an integer truncation (no floor
 call), a degree-7 polynomial for e^r, and 2^n assembled in the exponent bits of an int32.
-Accuracy: under 1 ulp on [-87, 0] (NumPy's float32 exp: 2.4 ulp), so the float32 2x rule
+Accuracy: under 1 ulp on [-87, 88] (NumPy's float32 exp: 2.4 ulp), so the float32 2x rule
 (RELIABILITY 24) holds with a margin.  Results below 2^-126 (x < -87.34) are flushed to
 0, where NumPy's exp gives subnormals; -inf gives 0 and NaN stays NaN.  float64 work uses
-``math.exp`` (libm, correctly rounded to within 1 ulp).
+``math.exp`` (libm, within 1 ulp).
 
 Row sums and maxima run over 8 independent partials in a fixed order, so no fast-math
 reassociation is needed (reassociation would also break the range reduction) and the
