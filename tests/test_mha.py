@@ -318,7 +318,7 @@ def array_namespace(t):
 @pytest.mark.parametrize("rows", [7, 256, 300])
 def test_projection_and_weight_gradient(dtype, rows):
     """ops.project / ops.weight_grad, the one projection the layer and nn.linear share: the
-    float32 path sums blocks of 128 rows; every path stays within rounding of float64."""
+    same single GEMM for every dtype stays within rounding of float64."""
     from attngrad.ops import project, weight_grad
 
     rng = np.random.default_rng(rows)

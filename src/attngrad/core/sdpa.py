@@ -104,7 +104,7 @@ def sdpa_forward(
     )
     q, k, v = (xp.astype(t, prob.cdt, copy=False) for t in (q, k, v))
     if impl == "auto":
-        impl = choose_impl(xp, prob.shape)
+        impl = choose_impl(xp, prob)
     if impl == "tiled":
         if xp.__name__ != "numpy":
             raise TypeError("impl='tiled' takes NumPy arrays; use impl='dense' (or 'auto') for other kinds")
