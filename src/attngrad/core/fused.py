@@ -38,11 +38,10 @@ environment variable ``ATTNGRAD_NO_NUMBA`` unset, empty or "0".  The first call 
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from .parallel import available_cores
+from .parallel import available_cores, shared_pool
 
 ENV_DISABLE = "ATTNGRAD_NO_NUMBA"
 _KERNELS = None  # the compiled kernels (a dict), False when numba is missing
@@ -88,7 +87,7 @@ def _kernels():
 
 
 _MIN_ROWS_PER_WORKER = 64
-_PARALLEL_MIN_SIZE = 1 << 16
+_PARALLEL_MIN_SIZE = 1 << 18  # below this one thread is faster (as core.parallel's)
 
 
 def _split_rows(kernel, rows: int, size: int, *args) -> None:
@@ -100,10 +99,9 @@ def _split_rows(kernel, rows: int, size: int, *args) -> None:
         kernel(*args, 0, rows)
         return
     bounds = [rows * w // n for w in range(n + 1)]
-    with ThreadPoolExecutor(max_workers=n) as pool:
-        futures = [pool.submit(kernel, *args, bounds[w], bounds[w + 1]) for w in range(n)]
-        for f in futures:
-            f.result()
+    pool = shared_pool()
+    for f in [pool.submit(kernel, *args, bounds[w], bounds[w + 1]) for w in range(n)]:
+        f.result()
 
 
 def softmax_inplace(s):
