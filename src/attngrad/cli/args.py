@@ -7,19 +7,31 @@ import argparse
 import math
 
 
-def int_at_least(lo: int):
-    """An integer >= ``lo``."""
+def int_at_least(lo: int, hi: int | None = None):
+    """An integer >= ``lo`` (and <= ``hi`` when given)."""
+    want = f"an integer >= {lo}" if hi is None else f"an integer in [{lo}, {hi}]"
 
     def parse(text: str) -> int:
         try:
             v = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}; got {text!r}") from None
-        if v < lo:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}; got {v}")
+            raise argparse.ArgumentTypeError(f"expected {want}; got {text!r}") from None
+        if v < lo or (hi is not None and v > hi):
+            raise argparse.ArgumentTypeError(f"expected {want}; got {v}")
         return v
 
     return parse
+
+
+def seconds(text: str) -> float:
+    """A number of seconds, > 0 (and < 10^6)."""
+    try:
+        v = float(text)
+    except ValueError:
+        v = -1.0
+    if not 0 < v < 1e6:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0; got {text!r}")
+    return v
 
 
 def number_in(lo: float, hi: float, hi_open: bool = False):

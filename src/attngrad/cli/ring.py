@@ -25,29 +25,7 @@ from ..distributed.ringrun import (
     run_reference,
     summary,
 )
-
-
-def _int(lo: int):
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}; got {text!r}") from None
-        if v < lo:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}; got {v}")
-        return v
-
-    return parse
-
-
-def _seconds(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        v = -1.0
-    if not 0 < v < 1e6:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0; got {text!r}")
-    return v
+from .args import int_at_least, seconds
 
 
 def register(sub) -> None:
@@ -60,19 +38,19 @@ def register(sub) -> None:
             "against one process's closed form, each rank's peak memory, time and bytes sent."
         ),
     )
-    p.add_argument("--nproc", type=_int(1), required=True, help="processes P (ranks)")
-    p.add_argument("--len", dest="length", type=_int(1), required=True, help="sequence length N")
+    p.add_argument("--nproc", type=int_at_least(1), required=True, help="processes P (ranks)")
+    p.add_argument("--len", dest="length", type=int_at_least(1), required=True, help="sequence length N")
     p.add_argument("--causal", action="store_true", help="causal mask")
-    p.add_argument("--heads", type=_int(1), default=4, help="query heads H (default 4)")
-    p.add_argument("--kv-heads", type=_int(1), default=None, help="key/value heads Hkv (default H)")
-    p.add_argument("--dim", type=_int(1), default=64, help="head dim D = Dv (default 64)")
-    p.add_argument("--batch", type=_int(1), default=1, help="batch B (default 1)")
+    p.add_argument("--heads", type=int_at_least(1), default=4, help="query heads H (default 4)")
+    p.add_argument("--kv-heads", type=int_at_least(1), default=None, help="key/value heads Hkv (default H)")
+    p.add_argument("--dim", type=int_at_least(1), default=64, help="head dim D = Dv (default 64)")
+    p.add_argument("--batch", type=int_at_least(1), default=1, help="batch B (default 1)")
     p.add_argument("--layout", choices=["zigzag", "contiguous"], default="zigzag",
                    help="sequence sharding (default zigzag: balanced under a causal mask)")
     p.add_argument("--dtype", choices=["float32", "float64"], default="float64", help="default float64")
-    p.add_argument("--seed", type=_int(0), default=0, help="random inputs' seed")
-    p.add_argument("--port", type=_int(1), default=None, help="MASTER_PORT (default: a free one)")
-    p.add_argument("--timeout", type=_seconds, default=DEFAULT_TIMEOUT,
+    p.add_argument("--seed", type=int_at_least(0), default=0, help="random inputs' seed")
+    p.add_argument("--port", type=int_at_least(1), default=None, help="MASTER_PORT (default: a free one)")
+    p.add_argument("--timeout", type=seconds, default=DEFAULT_TIMEOUT,
                    help=f"seconds to wait for a peer or a message (default {DEFAULT_TIMEOUT:g})")
     p.add_argument("--no-compare", dest="compare", action="store_false",
                    help="skip the one-process run")

@@ -2,45 +2,21 @@
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from pathlib import Path
 
 from ..core.parallel import blas_threads
 from ..train.sample import load_text_model, sample_text
+from .args import int_at_least, number_in
 
 MAX_TOKENS = 100_000
 
 
-def _tokens(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        v = -1
-    if not 0 <= v <= MAX_TOKENS:
-        raise argparse.ArgumentTypeError(f"expected an integer in [0, {MAX_TOKENS}]; got {text!r}")
-    return v
 
 
-def _temperature(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        v = math.nan
-    if not (math.isfinite(v) and v >= 0):
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0 (0 = greedy); got {text!r}")
-    return v
 
 
-def _seed(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        v = -1
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0; got {text!r}")
-    return v
 
 
 def register(sub) -> None:
@@ -58,10 +34,10 @@ def register(sub) -> None:
     p.add_argument("--checkpoint", type=Path, default=None, metavar="CKPT",
                    help="a checkpoint file to use instead of the newest in DIR")
     p.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
-    p.add_argument("--tokens", type=_tokens, default=200, metavar="N", help="bytes to generate (default 200)")
-    p.add_argument("--temperature", type=_temperature, default=0.8, metavar="T",
+    p.add_argument("--tokens", type=int_at_least(0, MAX_TOKENS), default=200, metavar="N", help="bytes to generate (default 200)")
+    p.add_argument("--temperature", type=number_in(0.0, math.inf), default=0.8, metavar="T",
                    help="softmax temperature; 0 = greedy (default 0.8)")
-    p.add_argument("--seed", type=_seed, default=0, metavar="S", help="random seed (default 0)")
+    p.add_argument("--seed", type=int_at_least(0), default=0, metavar="S", help="random seed (default 0)")
     p.set_defaults(func=run)
 
 

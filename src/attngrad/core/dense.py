@@ -19,9 +19,10 @@ from ._xp import Array
 from .dropout import keep_heads
 from .logits import alibi_distance, form_logits, softcap_backward
 from .parallel import exp_inplace
-from .problem import Problem, SDPAShape
+from .problem import Problem, SDPAShape, problem_views
 
 
+@problem_views
 class SDPACache(NamedTuple):
     """What the dense backward needs.
 
@@ -40,22 +41,6 @@ class SDPACache(NamedTuple):
     psink: Array | None  # (B, Hkv, G*Lq, 1) the sink's probability, else None         (V2)
     flat: Array | None  # (b, Hkv|1, G|1, Lq, 1) bool: rows with a constant softmax (< 2 keys, no sink)
     problem: Problem
-
-    @property
-    def scale(self) -> float:
-        return self.problem.scale
-
-    @property
-    def shape(self) -> SDPAShape:
-        return self.problem.shape
-
-    @property
-    def dtype(self):
-        return self.problem.dtype
-
-    @property
-    def bias_shape(self):
-        return self.problem.bias_shape
 
 
 def grouped5(xp, a, sh: SDPAShape):

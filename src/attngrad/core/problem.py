@@ -82,6 +82,15 @@ class Problem:
         return self.sinks is None
 
 
+def problem_views(cls):
+    """Class decorator for the paths' cache records: ``scale``, ``shape``, ``dtype`` and
+    ``bias_shape`` as read-only properties read from the record's ``problem`` field."""
+    for name in ("scale", "shape", "dtype", "bias_shape"):
+        setattr(cls, name, property(lambda self, name=name: getattr(self.problem, name),
+                                    doc=f"The problem's {name}."))
+    return cls
+
+
 def validate_qkv(q, k, v) -> SDPAShape:
     """Shape and dtype checks shared by every attention path."""
     check_array("q", q, 4, "(B, H, Lq, D)")

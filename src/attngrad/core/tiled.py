@@ -40,7 +40,7 @@ from .dropout import keep_tile
 from .logits import alibi_distance, form_logits, softcap_backward
 from .masks import MaskSpec
 from .parallel import check_threads, run_units
-from .problem import Problem, SDPAShape
+from .problem import Problem, problem_views
 
 DEFAULT_BLOCK_Q = 256
 DEFAULT_BLOCK_K = 256
@@ -61,6 +61,7 @@ class Tiling(NamedTuple):
     fused: bool = False  # elementwise tile work in the compiled kernels of :mod:`.fused`
 
 
+@problem_views
 class TiledCache(NamedTuple):
     """What :func:`tiled_backward` needs.
 
@@ -77,22 +78,6 @@ class TiledCache(NamedTuple):
     flat: Array | None  # (B, H, Lq) bool: rows with a constant softmax (< 2 keys, no sink)
     problem: Problem
     tiling: Tiling
-
-    @property
-    def scale(self) -> float:
-        return self.problem.scale
-
-    @property
-    def shape(self) -> SDPAShape:
-        return self.problem.shape
-
-    @property
-    def dtype(self):
-        return self.problem.dtype
-
-    @property
-    def bias_shape(self):
-        return self.problem.bias_shape
 
     @property
     def spec(self) -> MaskSpec:

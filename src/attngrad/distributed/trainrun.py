@@ -10,41 +10,26 @@ from __future__ import annotations
 import argparse
 import math
 
+from ..cli.args import int_at_least, seconds
 from .launch import DEFAULT_TIMEOUT, DistributedError, launch_local, summarize_failure
 
 _OURS = ("nproc", "distributed", "port", "dist_timeout")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        v = 0
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1; got {text!r}")
-    return v
 
 
-def _seconds(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        v = -1.0
-    if not 0 < v < 1e6:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0; got {text!r}")
-    return v
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
     """The data-parallel options of ``attngrad train``."""
     g = p.add_argument_group("data parallel (torch.distributed, gloo)")
-    g.add_argument("--nproc", type=_positive_int, default=1,
+    g.add_argument("--nproc", type=int_at_least(1), default=1,
                    help="train on P local processes, gradients all-reduced (default 1)")
     g.add_argument("--distributed", action="store_true",
                    help="run as one rank of a group started by torchrun (RANK, WORLD_SIZE, "
                         "MASTER_ADDR, MASTER_PORT)")
-    g.add_argument("--port", type=_positive_int, default=None, help="with --nproc: MASTER_PORT (default: a free one)")
-    g.add_argument("--dist-timeout", type=_seconds, default=DEFAULT_TIMEOUT,
+    g.add_argument("--port", type=int_at_least(1), default=None, help="with --nproc: MASTER_PORT (default: a free one)")
+    g.add_argument("--dist-timeout", type=seconds, default=DEFAULT_TIMEOUT,
                    help=f"seconds to wait for a peer in any step (default {DEFAULT_TIMEOUT:g})")
     p.set_defaults(_parser=p)
 
