@@ -117,3 +117,20 @@ def check_params_match(params, expected: dict) -> None:
     for k, v in expected.items():
         if tuple(params[k].shape) != tuple(v.shape):
             raise ValueError(f"params[{k!r}] must have shape {tuple(v.shape)}; got {tuple(params[k].shape)}")
+
+
+def greedy_decode(forward, params, cfg, prompt, *, eos: int, max_new: int):
+    """Greedy decoding of a decoder-only model ``forward(params, cfg, ids) -> (logits, _)``:
+    prompt (B, Lp) (same length in every row, no padding) -> new ids (B, <= max_new)."""
+    ids = np.asarray(prompt, dtype=np.int64)
+    b, lp = ids.shape
+    done = np.zeros(b, dtype=bool)
+    for _ in range(max_new):
+        logits, _ = forward(params, cfg, ids)
+        nxt = np.argmax(logits[:, -1], axis=-1)  # (B,)
+        nxt = np.where(done, cfg.pad_id, nxt)
+        ids = np.concatenate([ids, nxt[:, None]], axis=1)
+        done |= nxt == eos
+        if done.all():
+            break
+    return ids[:, lp:]

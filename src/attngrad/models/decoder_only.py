@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..core.sdpa import attention_weights
 from ..nn.blocks import (
     add_prefix,
     encoder_block_backward,
@@ -28,6 +29,7 @@ from .common import (
     ModelConfig,
     embed_backward,
     embed_forward,
+    greedy_decode,
     head_backward,
     head_forward,
     init_embedding,
@@ -78,20 +80,9 @@ def backward(dlogits, cache: DecoderOnlyCache) -> dict:
 
 
 def attention_maps(cache: DecoderOnlyCache) -> dict:
-    return {"decoder_causal": [c.attn.attn.attn.p for c in cache.blocks]}
+    return {"decoder_causal": [attention_weights(c.attn.attn.attn) for c in cache.blocks]}
 
 
 def greedy_generate(params, cfg: ModelConfig, prompt, *, eos: int, max_new: int):
     """prompt (B, Lp) (same length in every row, no padding) -> new ids (B, <= max_new)."""
-    ids = np.asarray(prompt, dtype=np.int64)
-    b, lp = ids.shape
-    done = np.zeros(b, dtype=bool)
-    for _ in range(max_new):
-        logits, _ = forward(params, cfg, ids)
-        nxt = np.argmax(logits[:, -1], axis=-1)  # (B,)
-        nxt = np.where(done, cfg.pad_id, nxt)
-        ids = np.concatenate([ids, nxt[:, None]], axis=1)
-        done |= nxt == eos
-        if done.all():
-            break
-    return ids[:, lp:]
+    return greedy_decode(forward, params, cfg, prompt, eos=eos, max_new=max_new)

@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..core.sdpa import attention_weights
 from ..nn.blocks import (
     add_prefix,
     decoder_block_backward,
@@ -133,9 +134,9 @@ def backward(dlogits, cache: EncDecCache) -> dict:
 def attention_maps(cache: EncDecCache) -> dict:
     """Attention probabilities per layer, each (B, H, Lq, Lk): encoder self, decoder causal, cross."""
     return {
-        "encoder_self": [c.attn.attn.attn.p for c in cache.encoder.blocks],
-        "decoder_causal": [c.self_attn.attn.attn.p for c in cache.blocks],
-        "cross": [c.cross_attn.attn.attn.p for c in cache.blocks],
+        "encoder_self": [attention_weights(c.attn.attn.attn) for c in cache.encoder.blocks],
+        "decoder_causal": [attention_weights(c.self_attn.attn.attn) for c in cache.blocks],
+        "cross": [attention_weights(c.cross_attn.attn.attn) for c in cache.blocks],
     }
 
 

@@ -22,6 +22,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..core.rope import RoPE, check_base, check_layout
+from ..core.sdpa import attention_weights
 from ..layers.mha import MHACache, init_mha_params, mha_backward, mha_forward
 from ..layers.norm import NormCache, check_eps, check_kind
 from ..nn.blocks import add_prefix, sub
@@ -29,6 +30,7 @@ from ..nn.embedding import EmbeddingCache, embedding_backward, embedding_forward
 from ..nn.linear import LinearCache, init_linear, linear_backward, linear_forward
 from ..nn.rmsnorm import init_rmsnorm, rmsnorm_backward, rmsnorm_forward
 from ..nn.swiglu import SwiGLUCache, init_swiglu, swiglu_backward, swiglu_forward
+from .common import greedy_decode
 
 
 def _positive(name, value):
@@ -202,25 +204,9 @@ def backward(dlogits, cache: LlamaCache) -> dict:
 
 def attention_maps(cache: LlamaCache) -> dict:
     """Probabilities of each layer, (B, H, L, L) (dense attention only)."""
-    maps = []
-    for c in cache.blocks:
-        attn = c.attn.attn
-        b, h, lq, lk = attn.shape.batch, attn.shape.heads, attn.shape.lq, attn.shape.lk
-        maps.append(np.reshape(attn.p, (b, h, lq, lk)))
-    return {"decoder_causal": maps}
+    return {"decoder_causal": [attention_weights(c.attn.attn) for c in cache.blocks]}
 
 
 def greedy_generate(params, cfg: LlamaConfig, prompt, *, eos: int, max_new: int):
     """prompt (B, Lp) (same length in every row, no padding) -> new ids (B, <= max_new)."""
-    ids = np.asarray(prompt, dtype=np.int64)
-    b, lp = ids.shape
-    done = np.zeros(b, dtype=bool)
-    for _ in range(max_new):
-        logits, _ = forward(params, cfg, ids)
-        nxt = np.argmax(logits[:, -1], axis=-1)  # (B,)
-        nxt = np.where(done, cfg.pad_id, nxt)
-        ids = np.concatenate([ids, nxt[:, None]], axis=1)
-        done |= nxt == eos
-        if done.all():
-            break
-    return ids[:, lp:]
+    return greedy_decode(forward, params, cfg, prompt, eos=eos, max_new=max_new)
