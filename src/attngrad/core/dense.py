@@ -113,11 +113,12 @@ def _keep(xp, prob: Problem, like):
     return z if xp is np else xp.asarray(z, device=getattr(like, "device", None))
 
 
-def _dropped(xp, p, prob: Problem):
-    """P~ = P * Z / (1 - p) (V3); P itself without dropout."""
+def _dropped(xp, p, prob: Problem, z=None):
+    """P~ = P * Z / (1 - p) (V3), or any (B, Hkv, G*Lq, Lk) array so masked and rescaled;
+    the array itself without dropout.  ``z``: the keep mask when the caller has it."""
     if not prob.dropout:
         return p
-    z = _keep(xp, prob, p)
+    z = _keep(xp, prob, p) if z is None else z
     return xp.where(z, p * (1.0 / (1.0 - prob.dropout_p)), xp.zeros((), dtype=p.dtype))
 
 
@@ -182,10 +183,9 @@ def dense_backward(xp, do, cache: SDPACache) -> dict:
     G = sh.group
     p, qg, k, v = cache.p, cache.q, cache.k, cache.v
     do = xp.reshape(do, (B, Hkv, G * Lq, Dv))  # (B, Hkv, G*Lq, Dv)
-    dv = xp.matrix_transpose(_dropped(xp, p, prob)) @ do  # (A4) (B, Hkv, Lk, Dv), summed over the group
-    dp = do @ xp.matrix_transpose(v)  # (A5) (B, Hkv, G*Lq, Lk)
-    if prob.dropout:
-        dp = xp.where(_keep(xp, prob, dp), dp * (1.0 / (1.0 - prob.dropout_p)), xp.zeros((), dtype=dp.dtype))  # (V3)
+    z = _keep(xp, prob, p) if prob.dropout else None  # (V3) regenerated once, never stored
+    dv = xp.matrix_transpose(_dropped(xp, p, prob, z)) @ do  # (A4) (B, Hkv, Lk, Dv), summed over the group
+    dp = _dropped(xp, do @ xp.matrix_transpose(v), prob, z)  # (A5, V3) dP = (dO V^T) Z / (1 - p)
     # (A6) delta = rowsum(P * dP): with P at hand, the form whose rounding matches dP's, so
     # dP - delta cancels as exactly as the maths (float32 rule, RELIABILITY 24); the tiled
     # path, which has no P row, uses the equal rowsum(dO * O).

@@ -87,8 +87,6 @@ class MaskSpec:
         """pos(i) = i + offset: 0 top-left, Lk - Lq bottom-right."""
         return 0 if self.align == "top_left" else self.lk - self.lq
 
-    causal_offset = offset  # query i may attend key j iff j <= i + offset (causal only)
-
     @property
     def positional(self) -> bool:
         """True when the structure depends only on (i, j) (not on b, h or data)."""
