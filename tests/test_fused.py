@@ -37,7 +37,14 @@ VARIANTS = {
     "dropout": {"dropout_p": 0.25, "dropout_seed": 11},
     "bias+scale_grad": {"bias": "bcast", "scale_grad": True, "scale": 0.37},
     "bool mask+key_lengths": {"mask": True, "key_lengths": True},
+    # the compiled tile loops' whole range at once (one key interval per query row)
+    "key_lengths": {"key_lengths": True},
+    "compiled all": {"key_lengths": True, "window": (6, None), "causal": "top_left",
+                     "softcap": 2.0, "sinks": "h", "alibi_slopes": "bh", "scale_grad": True,
+                     "scale": 0.37},
 }
+# variants the compiled tile loops take (the others run the NumPy tile loop)
+COMPILED = {"plain", "causal", "softcap", "sinks", "alibi", "window", "key_lengths", "compiled all"}
 ULPS = 8
 EPS32 = float(np.finfo(np.float32).eps)
 
@@ -53,8 +60,9 @@ def _case(seed, shape, variant):
         opts["kv_segment_ids"] = np.sort(rng.integers(0, 3, (B, Lk)), axis=1)
     if opts.get("sinks") == "h":
         opts["sinks"] = rng.standard_normal(H)
-    if opts.get("alibi_slopes") == "h":
-        opts["alibi_slopes"] = rng.uniform(0.01, 0.3, H)
+    slopes = opts.get("alibi_slopes")
+    if isinstance(slopes, str):
+        opts["alibi_slopes"] = rng.uniform(0.01, 0.3, H if slopes == "h" else (B, H))
     if opts.get("bias") == "bcast":
         opts["bias"] = rng.standard_normal((H, 1, Lk))
     if opts.pop("mask", False):
@@ -63,6 +71,7 @@ def _case(seed, shape, variant):
         opts["mask"] = m
     if opts.pop("key_lengths", False):
         opts["key_lengths"] = rng.integers(1, Lk + 1, B)
+        opts["key_lengths"][0] = min(opts["key_lengths"][0], 3)  # rows with one key, or none
     return x, opts
 
 
@@ -199,7 +208,7 @@ def test_without_numba_the_numpy_code_runs(monkeypatch):
     assert_close_rel(got, ref, what="no numba: ")
 
 
-def test_auto_prefers_tiled_for_causal_problems_of_several_tiles():
+def test_auto_prefers_tiled_for_causal_problems_of_several_tiles(monkeypatch):
     from attngrad.core.problem import make_problem
     from attngrad.core.tiled import choose_impl
 
@@ -213,9 +222,18 @@ def test_auto_prefers_tiled_for_causal_problems_of_several_tiles():
 
     assert choose_impl(np, problem(1024, 2, causal=True)) == "tiled"
     assert choose_impl(np, problem(1024, 2, window=(64, 0))) == "tiled"
-    assert choose_impl(np, problem(1024, 2)) == "dense"  # nothing to skip
-    assert choose_impl(np, problem(256, 32, causal=True)) == "dense"  # one query tile
+    assert choose_impl(np, problem(128, 32, causal=True)) == "dense"  # one query tile
     assert choose_impl(np, problem(1024, 2, causal=True).shape) == "dense"  # size only
+    assert choose_impl(np, problem(512, 1)) == "dense"  # 2^18 logits: small
+    # 2^21 logits, nothing to skip: tiled where the compiled tile loops take the problem,
+    # dense for the NumPy tile loop (a bias is not theirs) or without them
+    compiled = fused.tile_loops() is not None
+    assert choose_impl(np, problem(1024, 2)) == ("tiled" if compiled else "dense")
+    bias = np.zeros((1, 2, 1024, 1024), dtype=np.float32)
+    assert choose_impl(np, problem(1024, 2, bias=bias)) == "dense"
+    monkeypatch.setattr(fused, "tile_loops", lambda: None)
+    assert choose_impl(np, problem(1024, 2)) == "dense"
+    assert choose_impl(np, problem(1024, 2, causal=True)) == "tiled"  # tiles skipped
 
 
 @needs_numba
@@ -248,3 +266,75 @@ def test_tile_kernels_match_the_numpy_steps(dtype):
     np.testing.assert_allclose(e, e_np, rtol=4 * np.finfo(dtype).eps, atol=0)
     np.testing.assert_allclose(l, e_np.sum(axis=1), rtol=8 * np.finfo(dtype).eps)
     assert np.array_equal(m, mx) and np.all(acc == 0)  # e^(-inf - m') = 0 rescales to 0
+
+
+@needs_numba
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_compiled_loops_take_exactly_the_interval_rules(variant, monkeypatch):
+    from attngrad.core.tiled import compiled_loops
+
+    monkeypatch.setenv(fused.ENV_DISABLE, "0")
+    x, opts = _case(3, SHAPES[0], variant)
+    _, cache = ag.sdpa_forward(x["q"], x["k"], x["v"], impl="tiled", **opts)
+    loops = compiled_loops(cache.problem, cache.tiling)
+    assert (loops is not None) is (variant in COMPILED and fused.tile_loops() is not None)
+
+
+@needs_numba
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("tiles", [(8, 16), (5, 7), (64, 64)])
+def test_compiled_loops_keep_nan_of_unused_rows_and_keys_out(dtype, tiles, monkeypatch):
+    """NaN/inf in K, V rows no query attends (top-left causal with Lq < Lk, padded keys) and
+    in Q rows that attend nothing (bottom-right with Lq > Lk) reach no result; the rest
+    equals the NumPy tile loop on clean inputs."""
+    rng = np.random.default_rng(12)
+    bq, bk = tiles
+    for lq, lk, opts in ((20, 33, {"causal": "top_left", "key_lengths": np.array([33, 25])}),
+                         (30, 17, {"causal": "bottom_right", "window": (4, None)})):
+        x = {"q": rng.standard_normal((2, 2, lq, 8)), "k": rng.standard_normal((2, 1, lk, 8)),
+             "v": rng.standard_normal((2, 1, lk, 8)), "dout": rng.standard_normal((2, 2, lq, 8))}
+        clean = _run(x, opts, dtype, False, monkeypatch, block_q=bq, block_k=bk)
+        dirty = {n: a.copy() for n, a in x.items()}
+        if lq < lk:
+            dirty["k"][:, :, lq:] = np.nan  # keys past the last query: never attended
+            dirty["v"][:, :, lq:] = np.inf
+            dirty["k"][1, :, 25:] = np.nan  # padded keys
+        else:
+            dirty["q"][:, :, : lq - lk] = np.nan  # rows before the first key: attend nothing
+        got = _run(dirty, opts, dtype, True, monkeypatch, block_q=bq, block_k=bk)
+        for n, a in got.items():
+            assert np.all(np.isfinite(a)), f"{n} not finite ({dtype.__name__}, Lq={lq}, Lk={lk})"
+        if lq > lk:  # the rows that attend nothing: output 0 and gradient 0
+            assert np.all(got["out"][:, :, : lq - lk] == 0) and np.all(got["q"][:, :, : lq - lk] == 0)
+        for n in clean:
+            if lq < lk and n in ("k", "v"):
+                np.testing.assert_array_equal(got[n][:, :, lq:], 0)  # unused keys: gradient 0
+            tol = 1e-10 if dtype == np.float64 else 2e-5
+            ref, out = np.asarray(clean[n], np.float64), np.asarray(got[n], np.float64)
+            assert np.max(np.abs(out - ref)) <= tol * max(1.0, np.max(np.abs(ref))), n
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_row_intervals_are_the_mask_rule(seed):
+    """MaskSpec.row_intervals (the compiled loops' form of the rule) allows exactly what
+    MaskSpec.block allows, for random causal alignments, windows and key lengths."""
+    from attngrad.core.masks import make_mask_spec
+
+    rng = np.random.default_rng(seed)
+    b, lq, lk = 3, int(rng.integers(1, 30)), int(rng.integers(1, 30))
+    causal = [False, "top_left", "bottom_right"][seed % 3]
+    side = lambda: None if rng.random() < 0.3 else int(rng.integers(0, 8))  # noqa: E731
+    window = None if seed % 4 == 0 else (side(), side())
+    lengths = rng.integers(0, lk + 1, b) if seed % 2 else None
+    spec = make_mask_spec(np, b, 2, lq, lk, causal=causal, window=window, key_lengths=lengths)
+    full = np.broadcast_to(spec.block(np) if spec.block(np) is not None else True, (b, 2, lq, lk))
+    j = np.arange(lk)[None, :]
+    for row in range(b):
+        lo, hi = spec.row_intervals(row)
+        assert lo.dtype == hi.dtype == np.int64 and lo.shape == hi.shape == (lq,)
+        np.testing.assert_array_equal((j >= lo[:, None]) & (j <= hi[:, None]), full[row, 0])
+    if lengths is not None:  # a key mask with a gap is not an interval
+        km = np.ones((b, lk), dtype=bool)
+        km[0, 0] = lk < 2
+        gap = make_mask_spec(np, b, 2, lq, lk, key_mask=km)
+        assert (gap.row_intervals(0) is None) is (lk >= 2)

@@ -86,6 +86,29 @@ def _kernels():
     return _KERNELS or None
 
 
+_LOOPS = None  # (fwd_head, bwd_head, blas) of :mod:`._tiled_kernels`, False when unavailable
+
+
+def tile_loops():
+    """The compiled per-head tile loops of the tiled path, ``(fwd_head, bwd_head, blas)``
+    with ``blas`` = (sgemm address, dgemm address, ilp64), or None when numba is missing,
+    ``ATTNGRAD_NO_NUMBA`` is set or NumPy's CBLAS is not found (:mod:`._blas`)."""
+    global _LOOPS
+    if not enabled():
+        return None
+    if _LOOPS is None:
+        from ._blas import cblas_gemm
+
+        found = cblas_gemm()
+        if found is None:  # pragma: no cover - depends on how NumPy was built
+            _LOOPS = False
+        else:
+            from . import _tiled_kernels as t
+
+            _LOOPS = (t.fwd_head, t.bwd_head, (found.sgemm, found.dgemm, found.ilp64))
+    return _LOOPS or None
+
+
 _MIN_ROWS_PER_WORKER = 64
 _PARALLEL_MIN_SIZE = 1 << 18  # below this one thread is faster (as core.parallel's)
 

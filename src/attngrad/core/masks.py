@@ -102,8 +102,27 @@ class MaskSpec:
             if left is not None:
                 lo = i - left
             if right is not None:
-                hi = i + right if hi is None else min(hi, i + right)
+                hi = i + right if hi is None else np.minimum(hi, i + right)
         return lo, hi
+
+    def row_intervals(self, b: int):
+        """``(lo, hi)``, two (Lq,) int64 arrays, when every query row i of batch row b may
+        attend exactly the keys lo[i] <= j <= hi[i] (none where hi[i] < lo[i]): the causal
+        and window rules, and key padding whose present keys are a prefix (key_lengths).
+        None for an explicit mask, packed segments or a key mask with gaps.  The compiled
+        tile loops (core/_tiled_kernels.py) take this form of the rule."""
+        if self.mask is not None or self.q_seg is not None:
+            return None
+        lo, hi = self._bounds(np.arange(self.lq, dtype=np.int64) + self.offset)
+        lo = np.zeros(self.lq, np.int64) if lo is None else np.maximum(lo, 0)
+        top = self.lk - 1
+        if self.keys is not None:
+            keys = np.asarray(self.keys[b if self.keys.shape[0] > 1 else 0])
+            top = int(keys.sum()) - 1
+            if not keys[: top + 1].all():
+                return None  # a gap: not an interval
+        hi = np.full(self.lq, top, np.int64) if hi is None else np.minimum(hi, top)
+        return np.ascontiguousarray(lo, np.int64), np.ascontiguousarray(hi, np.int64)
 
     def block(self, xp, q0: int = 0, q1: int | None = None, k0: int = 0, k1: int | None = None,
               b: int | None = None):

@@ -42,7 +42,7 @@ from .masks import MaskSpec
 from .parallel import check_threads, run_units
 from .problem import Problem, problem_views
 
-DEFAULT_BLOCK_Q = 256
+DEFAULT_BLOCK_Q = 128
 DEFAULT_BLOCK_K = 256
 # impl="auto" picks the tiled path for NumPy inputs when B*H*Lq*Lk reaches this many entries:
 # P would take 64 MB in float32.  Below it the dense path is as fast or faster (measured with
@@ -112,21 +112,34 @@ def make_tiling(block_q=None, block_k=None, threads=None) -> Tiling:
 # tiled path is the faster one (CPU time, one thread, B=1 D=64 N=1024 causal, fused kernels:
 # tiled 34 ms vs dense 64 ms at H=2, 147 vs 184 ms at H=8; docs/performance.md, issue 13).
 AUTO_TILED_SKIP_MIN_ENTRIES = 1 << 21
+# Where the compiled tile loops cover the problem (:func:`compiled_loops`), the tiled path
+# is as fast as the dense one from these sizes on (fwd + bwd, float32, 2 cores, D=64:
+# at 2^21 logits tiled/dense 0.82 for B=4 H=8 N=256, 0.53 causal at B=1 H=8 N=512;
+# `python benchmarks/auto_switch.py`, docs/performance.md).
+AUTO_COMPILED_MIN_ENTRIES = 1 << 21
+AUTO_COMPILED_SKIP_MIN_ENTRIES = 1 << 19
 
 
 def choose_impl(xp, prob) -> str:
     """impl="auto": tiled for NumPy inputs of at least AUTO_TILED_MIN_ENTRIES logits, or of
     AUTO_TILED_SKIP_MIN_ENTRIES when ``prob`` is a :class:`Problem` whose causal or window
-    rule lets the tiled path skip tiles.  ``prob``: a Problem, or an SDPAShape (size only)."""
+    rule lets the tiled path skip tiles; from AUTO_COMPILED_MIN_ENTRIES (with skipping,
+    AUTO_COMPILED_SKIP_MIN_ENTRIES) when the compiled tile loops cover the Problem.
+    ``prob``: a Problem, or an SDPAShape (size only)."""
     sh = prob.shape if isinstance(prob, Problem) else prob
     entries = sh.batch * sh.heads * sh.lq * sh.lk
     if xp is not np:
         return "dense"
     if entries >= AUTO_TILED_MIN_ENTRIES:
         return "tiled"
-    spec = prob.spec if isinstance(prob, Problem) else None
-    skips = spec is not None and (spec.causal is not None or spec.window is not None)
-    if skips and sh.lq > DEFAULT_BLOCK_Q and entries >= AUTO_TILED_SKIP_MIN_ENTRIES:
+    if not isinstance(prob, Problem):
+        return "dense"
+    spec = prob.spec
+    skips = (spec.causal is not None or spec.window is not None) and sh.lq > DEFAULT_BLOCK_Q
+    if covered(prob) and fused.enabled() and fused.tile_loops() is not None:
+        if entries >= AUTO_COMPILED_MIN_ENTRIES or (skips and entries >= AUTO_COMPILED_SKIP_MIN_ENTRIES):
+            return "tiled"
+    if skips and entries >= AUTO_TILED_SKIP_MIN_ENTRIES:
         return "tiled"
     return "dense"
 
@@ -234,6 +247,64 @@ def _keep(prob: Problem, hd: Head, q0, q1, k0, k1):
     return keep_tile(prob.dropout_seed, hd.b, hd.h, q0, q1, k0, k1, prob.dropout_p)  # (V3) Z
 
 
+class Loops(NamedTuple):
+    """The compiled per-head tile loops (:mod:`._tiled_kernels`) and the mask rule in the
+    form they take: one allowed key interval per query row, per batch row."""
+
+    fwd: object  # fwd_head
+    bwd: object  # bwd_head
+    blas: tuple  # (sgemm, dgemm, ilp64)
+    intervals: list  # per batch row b: (lo, hi) (Lq,) int64 each
+
+
+def _intervals(prob: Problem):
+    """Per batch row, the mask rule as key intervals (:meth:`MaskSpec.row_intervals`), or
+    None when some row's allowed keys are not an interval."""
+    spec = prob.spec
+    rows = range(prob.shape.batch if spec.keys is not None else min(prob.shape.batch, 1))
+    intervals = [spec.row_intervals(b) for b in rows]
+    return None if any(iv is None for iv in intervals) else intervals
+
+
+def covered(prob: Problem) -> bool:
+    """Whether the compiled tile loops take ``prob``: no additive bias, no dropout, and a
+    mask rule of one key interval per query row (causal, windows, key lengths)."""
+    return prob.bias is None and not prob.dropout and _intervals(prob) is not None
+
+
+def compiled_loops(prob: Problem, tiling: Tiling) -> Loops | None:
+    """The compiled loops when they cover ``prob`` (:func:`covered`), the fused kernels are
+    on and NumPy's CBLAS is found; else None (the NumPy tile loop below)."""
+    if not tiling.fused or prob.bias is not None or prob.dropout:
+        return None
+    found = fused.tile_loops()
+    intervals = None if found is None else _intervals(prob)
+    return None if intervals is None else Loops(*found, intervals)
+
+
+def _interval(loops: Loops, b: int):
+    return loops.intervals[b if len(loops.intervals) > 1 else 0]
+
+
+def _flat_rows(prob: Problem, loops: Loops):
+    """(B, H, Lq) bool: rows with a constant softmax (fewer than two keys, no sink), or None."""
+    B, H, _, Lq = prob.shape[:4]
+    if not prob.shift_free or B * H * Lq == 0:
+        return None
+    flat = np.empty((B, H, Lq), dtype=bool)
+    for b in range(B):
+        lo, hi = _interval(loops, b)
+        flat[b] = (hi - lo < 1)[None, :]
+    return flat if flat.any() else None
+
+
+def _head_args(prob: Problem, hd: Head):
+    """The per-head variant arguments of the compiled loops (V1, V4)."""
+    softcap = 0.0 if prob.softcap is None else prob.softcap
+    alibi = hd.slope is not None
+    return softcap, alibi, float(hd.slope) if alibi else 0.0, prob.spec.offset
+
+
 def tiled_forward(q, k, v, prob: Problem, tiling: Tiling):
     """Tiled forward on validated NumPy inputs (compute dtype).  Returns ``(out, cache)``."""
     sh = prob.shape
@@ -252,9 +323,25 @@ def tiled_forward(q, k, v, prob: Problem, tiling: Tiling):
     scratch = {}
     masks = TileMasks(prob.spec)
     kern = fused.kernels() if tiling.fused else None
+    loops = compiled_loops(prob, tiling)
+
+    def work_compiled(b: int, h: int, worker: int) -> None:
+        if worker not in scratch:
+            scratch[worker] = (np.empty(bq * bk, dtype=cdt), np.empty(bq * Dv, dtype=cdt),
+                               *(np.empty(bq, dtype=cdt) for _ in range(3)))
+        s_buf, pv_buf, m, l, rescale = scratch[worker]
+        hd = _head(prob, b, h)
+        lo, hi = _interval(loops, b)
+        loops.fwd(loops.blas, np.ascontiguousarray(q[b, h]), np.ascontiguousarray(k[b, h // G]),
+                  np.ascontiguousarray(v[b, h // G]), out[b, h], lse[b, h], prob.scale, bq, bk,
+                  lo, hi, *_head_args(prob, hd), hd.sink is not None,
+                  0.0 if hd.sink is None else float(hd.sink), s_buf, pv_buf, m, l, rescale)
 
     def work(unit: int, worker: int) -> None:
         b, h = divmod(unit, H)
+        if loops is not None:
+            work_compiled(b, h, worker)
+            return
         hd = _head(prob, b, h)
         if worker not in scratch:
             scratch[worker] = np.empty(bq * bk, dtype=cdt)
@@ -298,7 +385,9 @@ def tiled_forward(q, k, v, prob: Problem, tiling: Tiling):
 
     run_units(work, B * H, tiling.threads)
     flat = None
-    if prob.shift_free and (nkeys is not None or Lk < 2):
+    if loops is not None:
+        flat = _flat_rows(prob, loops)
+    elif prob.shift_free and (nkeys is not None or Lk < 2):
         flat = (nkeys < 2) if nkeys is not None else np.ones((B, H, Lq), dtype=bool)
         flat = flat if flat.any() else None
     cache = TiledCache(q, k, v, out, lse, flat, prob, tiling)
@@ -361,6 +450,12 @@ def tile_grads(prob: Problem, hd: Head, q0, q1, k0, k1, tile, p, t, qt_raw, kt, 
         acc.per_head[1] += np.vdot(qt_raw.astype(np.float64), g)  # (V7) sum(Q * dS0 K), float64 sum
 
 
+def _sink_grad(per_head, b, h, sink, lse, delta) -> None:
+    """(V2) dsink_h = -sum_i exp(sink_h - lse_i) delta_i (float64 sum)."""
+    psink = np.exp(sink - lse)  # (Lq,) with sinks every lse is finite
+    per_head[b, h, 2] = -np.dot(psink.astype(np.float64), delta)
+
+
 def _add_bias_grad(db, ds, q0, q1, k0, k1) -> None:
     """db[q-tile, k-tile] += dS, summed over the axes along which the bias broadcasts."""
     t = db
@@ -406,8 +501,34 @@ def tiled_backward(dout, cache: TiledCache) -> dict:
     scratch = {}
     masks = TileMasks(prob.spec)
     kern = fused.kernels() if cache.tiling.fused else None
+    loops = compiled_loops(prob, cache.tiling)
+
+    if loops is not None:  # (A6) every head's delta in one pass: (B, H, Lq) float64
+        delta_all = np.einsum("bhid,bhid->bhi", do_all, cache.out, dtype=np.float64)
+        do_all = np.ascontiguousarray(do_all)
+
+    def head_compiled(b, h, hk, kh, vh, worker) -> None:
+        if worker not in scratch:
+            n = bq * bk
+            scratch[worker] = (np.empty(n, dtype=cdt), np.empty(n, dtype=cdt),
+                               np.empty(n if prob.softcap is not None else 0, dtype=cdt))
+        hd = _head(prob, b, h)
+        lo, hi = _interval(loops, b)
+        per_head[b, h, :2] = loops.bwd(
+            loops.blas, np.ascontiguousarray(q[b, h]), kh, vh, do_all[b, h], cache.lse[b, h],
+            delta_all[b, h], dq[b, h], dk[b, hk], dv[b, hk], prob.scale, bq, bk, lo, hi,
+            *_head_args(prob, hd), prob.shift_free, *scratch[worker])  # dq scaled (A8)
+        if prob.sinks is not None:
+            _sink_grad(per_head, b, h, hd.sink, cache.lse[b, h], delta_all[b, h])
 
     def work(slot: int, worker: int) -> None:
+        if loops is not None:
+            for b, hk in slots[slot]:
+                kh, vh = np.ascontiguousarray(k[b, hk]), np.ascontiguousarray(v[b, hk])
+                for h in range(hk * G, (hk + 1) * G):
+                    head_compiled(b, h, hk, kh, vh, worker)
+                dk[b, hk] *= prob.scale  # (A9)
+            return
         if worker not in scratch:
             scratch[worker] = (np.empty(bq * bk, dtype=cdt), np.empty(bq * bk, dtype=cdt))
         s_buf, dp_buf = scratch[worker]
@@ -438,9 +559,8 @@ def tiled_backward(dout, cache: TiledCache) -> dict:
                         p, t = tile_probs(prob, hd, q0, q1, k0, k1, tile, qt, kt, lse, s_buf, kern)
                         tile_grads(prob, hd, q0, q1, k0, k1, tile, p, t, qr, kt, vt,
                                    do[q0:q1], delta, flat, acc, dp_buf, kern)
-                if prob.sinks is not None:  # (V2) dsink_h = -sum_i exp(sink_h - lse_i) delta_i
-                    psink = np.exp(hd.sink - lse)  # (Lq,) 0 for rows with lse = inf (none with sinks)
-                    per_head[b, h, 2] = -np.dot(psink.astype(np.float64), delta)
+                if prob.sinks is not None:
+                    _sink_grad(per_head, b, h, hd.sink, lse, delta)
                 dq[b, h] *= prob.scale  # (A8)
             dk[b, hk] *= prob.scale  # (A9)
 

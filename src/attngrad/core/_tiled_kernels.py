@@ -1,0 +1,256 @@
+"""Compiled tile loops of the tiled path (numba; imported only through :mod:`.fused`).
+
+One call runs the whole forward (FA1, FA3) or backward (FA2, A4-A9, V1, V4) of one query
+head: every tile's matrix products go straight to NumPy's own BLAS (:mod:`._blas`, called
+from machine code through :func:`gemm`), the elementwise work between them runs while the
+tile sits in cache, and no Python runs between tiles, so the GIL is released for the whole
+head and the Python workers of :mod:`.parallel` scale across the cores.
+
+They cover the mask rules whose allowed keys form one interval per query row,
+``lo[i] <= j <= hi[i]`` (causal either alignment, windows, key lengths: see
+:meth:`attngrad.core.masks.MaskSpec.row_intervals`), with the soft-cap (V1), sinks (V2),
+ALiBi (V4) and any scale (A1, passed to BLAS as alpha).  Within a tile only the rows that
+attend some key of it and the keys some row attends enter the products (both ranges are
+contiguous for interval rules), so NaN or inf in a masked-out row of Q, K or V cannot reach
+the result (RELIABILITY 1, 4).  The other options (an additive bias, boolean masks, packed
+segments, dropout) run the NumPy tile loop of :mod:`.tiled`, which the tests hold these
+loops equal to.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+from ._fused_kernels import _jit, _rowmax, exp_, exp_shift_sum, narrow
+
+_ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112  # CBLAS enums
+
+
+@intrinsic
+def _cblas_call(typingctx, fn, order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
+    """Call the CBLAS gemm at address ``fn`` (an integer) with ``a``, ``b``, ``c`` data
+    addresses; integers and scalars are passed with the widths of their numba types.  The
+    address is an argument, not a constant, so the machine code can be cached."""
+    sig = types.void(fn, order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)
+
+    def codegen(context, builder, signature, args):
+        ptr = ir.IntType(8).as_pointer()
+        tys = [context.get_value_type(t) for t in signature.args[1:]]
+        for i in (7, 9, 12):  # a, b, c
+            tys[i] = ptr
+        fnty = ir.FunctionType(ir.VoidType(), tys)
+        vals = list(args[1:])
+        for i in (7, 9, 12):
+            vals[i] = builder.inttoptr(vals[i], ptr)
+        builder.call(builder.inttoptr(args[0], fnty.as_pointer()), vals)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@_jit
+def gemm(blas, a, ta, b, tb, c, alpha, beta):
+    """c <- alpha op(a) op(b) + beta c, op = transpose where ``ta`` / ``tb``; row-major
+    2-D arrays with unit stride along their rows.  ``blas`` = (sgemm, dgemm, ilp64)."""
+    m, n = c.shape
+    k = a.shape[0] if ta else a.shape[1]
+    if m == 0 or n == 0:
+        return
+    sz = c.itemsize
+    lda, ldb, ldc = max(a.strides[0] // sz, 1), max(b.strides[0] // sz, 1), max(c.strides[0] // sz, 1)
+    lda = max(lda, a.shape[1])
+    ldb = max(ldb, b.shape[1])
+    ldc = max(ldc, n)
+    t_a = _TRANS if ta else _NO_TRANS
+    t_b = _TRANS if tb else _NO_TRANS
+    pa, pb, pc = a.ctypes.data, b.ctypes.data, c.ctypes.data
+    if sz == 4:  # one call per branch: a variable set in both would unify to float64
+        _gemm_call(blas[0], blas[2], t_a, t_b, m, n, k, np.float32(alpha), pa, lda, pb, ldb,
+                   np.float32(beta), pc, ldc)
+    else:
+        _gemm_call(blas[1], blas[2], t_a, t_b, m, n, k, np.float64(alpha), pa, lda, pb, ldb,
+                   np.float64(beta), pc, ldc)
+
+
+@_jit
+def _gemm_call(fn, ilp64, t_a, t_b, m, n, k, alpha, pa, lda, pb, ldb, beta, pc, ldc):
+    """The CBLAS call with 64-bit (ILP64) or 32-bit integers; alpha, beta as given."""
+    o = np.int32(_ROW_MAJOR)
+    if ilp64:
+        _cblas_call(fn, o, np.int32(t_a), np.int32(t_b), np.int64(m), np.int64(n), np.int64(k),
+                    alpha, pa, np.int64(lda), pb, np.int64(ldb), beta, pc, np.int64(ldc))
+    else:
+        _cblas_call(fn, o, np.int32(t_a), np.int32(t_b), np.int32(m), np.int32(n), np.int32(k),
+                    alpha, pa, np.int32(lda), pb, np.int32(ldb), beta, pc, np.int32(ldc))
+
+
+@_jit
+def _tile_span(lo, hi, q0, q1, k0, k1):
+    """Rows [r0, r1) of [q0, q1) that attend a key of [k0, k1), and the keys [c0, c1) of
+    it that those rows attend (contiguous for interval rules); r0 = r1 when none."""
+    r0, r1 = q1, q1
+    c0, c1 = k1, k0
+    for i in range(q0, q1):
+        a, z = max(lo[i], k0), min(hi[i], k1 - 1)
+        if a <= z:
+            if r0 == q1:
+                r0 = i
+            r1 = i + 1
+            c0, c1 = min(c0, a), max(c1, z + 1)
+    return r0, r1, c0, c1
+
+
+@_jit
+def _logits_row(row, gi, c0, softcap, t_row, alibi, slope, offset):
+    """(V1, V4) on one row of scale Q K^T in place: S1 = c tanh(S0 / c) (t = tanh kept in
+    ``t_row`` when it has the row's length), then - slope |pos(i) - j|."""
+    n = row.shape[0]
+    if softcap > 0.0:
+        keep = t_row.shape[0] == n
+        for j in range(n):
+            t = narrow(row[j], math.tanh(row[j] / narrow(row[j], softcap)))
+            if keep:
+                t_row[j] = t
+            row[j] = t * narrow(row[j], softcap)
+    if alibi:
+        pos = gi + offset
+        s = narrow(row[0], slope)
+        for j in range(n):
+            row[j] = row[j] - s * narrow(row[j], abs(pos - (c0 + j)))
+
+
+@_jit
+def _mask_row(row, a, z, fill):
+    """Entries outside [a, z) of the row <- fill."""
+    n = row.shape[0]
+    for j in range(0, min(max(a, 0), n)):
+        row[j] = fill
+    for j in range(max(z, 0), n):
+        row[j] = fill
+
+
+@_jit
+def fwd_head(blas, q, k, v, out, lse, scale, bq, bk, lo, hi, softcap, alibi, slope, offset,
+             has_sink, sink, s_buf, pv_buf, m, l, rescale):
+    """Forward of one query head (FA1, FA3; A1-A3, V1, V2, V4), tile by tile.
+
+    q (Lq, D), k (Lk, D), v (Lk, Dv) in the compute dtype; ``out`` (Lq, Dv) zeros, float64
+    for float32 work (written: O); ``lse`` (Lq,) like out (written, -inf for a row with
+    nothing to attend and no sink); lo, hi (Lq,) int64: row i attends keys lo[i]..hi[i].
+    Scratch: s_buf (bq*bk,), pv_buf (bq*Dv,) compute dtype; m, l, rescale (bq,)."""
+    Lq, Lk, Dv = q.shape[0], k.shape[0], v.shape[1]
+    neg = narrow(m[0], -np.inf)
+    zero = narrow(m[0], 0.0)
+    for q0 in range(0, Lq, bq):
+        q1 = min(q0 + bq, Lq)
+        for i in range(q1 - q0):  # (FA3) start: (sink, 1) with sinks, else (-inf, 0)
+            m[i] = narrow(m[0], sink) if has_sink else neg
+            l[i] = narrow(m[0], 1.0) if has_sink else zero
+        for k0 in range(0, Lk, bk):
+            k1 = min(k0 + bk, Lk)
+            r0, r1, c0, c1 = _tile_span(lo, hi, q0, q1, k0, k1)
+            if r0 >= r1:
+                continue  # nothing allowed in this tile
+            nr, nc = r1 - r0, c1 - c0
+            s = s_buf[: nr * nc].reshape((nr, nc))
+            gemm(blas, q[r0:r1], False, k[c0:c1], True, s, scale, 0.0)  # (A1) scale Q K^T
+            for i in range(nr):
+                gi = r0 + i
+                row = s[i]
+                _logits_row(row, gi, c0, softcap, s_buf[:0], alibi, slope, offset)  # (V1, V4)
+                _mask_row(row, lo[gi] - c0, hi[gi] + 1 - c0, neg)  # (A2)
+                ii = gi - q0
+                mx = _rowmax(row, m[ii])  # (FA3) m'
+                sh = mx if abs(mx) < np.inf else zero  # rows with nothing yet: shift 0
+                rs = exp_shift_sum(row, sh, zero)  # (FA3) e^(S - m'), 0 where masked; sum
+                alpha = exp_(m[ii] - sh)  # e^(m - m'); 0 when m = -inf
+                l[ii] = l[ii] * alpha + rs
+                m[ii] = mx
+                rescale[i] = alpha
+            pv = pv_buf[: nr * Dv].reshape((nr, Dv))
+            gemm(blas, s, False, v[c0:c1], False, pv, 1.0, 0.0)  # (A3) e^(S - m') V
+            for i in range(nr):
+                a = rescale[i]
+                for d in range(Dv):
+                    out[r0 + i, d] = out[r0 + i, d] * a + pv[i, d]
+        for i in range(q1 - q0):
+            gi = q0 + i
+            if l[i] > zero:
+                inv = l[i]
+                for d in range(Dv):
+                    out[gi, d] = out[gi, d] / inv  # (A3) O = acc / l
+                lse[gi] = m[i] + math.log(np.float64(l[i]))  # (FA1)
+            else:
+                lse[gi] = -np.inf
+
+
+@_jit
+def bwd_head(blas, q, k, v, do, lse, delta, dq, dk, dv, scale, bq, bk, lo, hi, softcap,
+             alibi, slope, offset, shift_free, s_buf, dp_buf, t_buf):
+    """Backward of one query head (FA2, A4-A9, V1, V4, V7): P recomputed from the lse tile
+    by tile.  dv, dk (Lk, Dv | D) of its key/value head are accumulated, dk unscaled (the
+    caller multiplies it by the scale once per key/value head, A9); dq (Lq, D) zeros is
+    written, scaled (A8).  ``delta`` (Lq,) float64 (A6).  ``shift_free``: rows with fewer
+    than two keys get dS = 0 (A7).  Returns (dL/dslope (V4), sum(Q * dS0 K) (V7)), float64.
+    Scratch: s_buf, dp_buf (and t_buf with a soft-cap) (bq*bk,)."""
+    Lq, Lk = q.shape[0], k.shape[0]
+    dslope = 0.0
+    for k0 in range(0, Lk, bk):
+        k1 = min(k0 + bk, Lk)
+        for q0 in range(0, Lq, bq):
+            q1 = min(q0 + bq, Lq)
+            r0, r1, c0, c1 = _tile_span(lo, hi, q0, q1, k0, k1)
+            if r0 >= r1:
+                continue
+            nr, nc = r1 - r0, c1 - c0
+            p = s_buf[: nr * nc].reshape((nr, nc))
+            t = t_buf[: nr * nc].reshape((nr, nc)) if softcap > 0.0 else t_buf[:0].reshape((0, 0))
+            gemm(blas, q[r0:r1], False, k[c0:c1], True, p, scale, 0.0)  # (A1)
+            for i in range(nr):
+                gi = r0 + i
+                row = p[i]
+                _logits_row(row, gi, c0, softcap, t[i] if softcap > 0.0 else t_buf[:0], alibi, slope, offset)
+                c = lse[gi]
+                for j in range(nc):
+                    row[j] = exp_(narrow(row[j], row[j] - c))  # (FA2) P = e^(S - lse)
+                _mask_row(row, lo[gi] - c0, hi[gi] + 1 - c0, narrow(row[0], 0.0))  # (A2)
+            gemm(blas, p, True, do[r0:r1], False, dv[c0:c1], 1.0, 1.0)  # (A4) dV += P^T dO
+            ds = dp_buf[: nr * nc].reshape((nr, nc))
+            gemm(blas, do[r0:r1], False, v[c0:c1], True, ds, 1.0, 0.0)  # (A5) dP = dO V^T
+            for i in range(nr):
+                gi = r0 + i
+                row, prow = ds[i], p[i]
+                if shift_free and hi[gi] - lo[gi] < 1:  # (A7) a constant softmax: dS = 0
+                    for j in range(nc):
+                        row[j] = narrow(row[j], 0.0)
+                    continue
+                dl = delta[gi]
+                for j in range(nc):
+                    row[j] = narrow(row[j], row[j] - dl) * prow[j]  # (A7) dS = P (dP - delta)
+                if alibi:  # (V4) dslope = -sum dS |pos(i) - j|, float64
+                    pos = gi + offset
+                    acc = 0.0
+                    for j in range(nc):
+                        acc += np.float64(row[j]) * abs(pos - (c0 + j))
+                    dslope -= acc
+                if softcap > 0.0:  # (V1) dS0 = dS1 (1 - t^2)
+                    trow = t[i]
+                    for j in range(nc):
+                        row[j] = row[j] * (narrow(row[j], 1.0) - trow[j] * trow[j])
+            gemm(blas, ds, True, q[r0:r1], False, dk[c0:c1], 1.0, 1.0)  # (A9) dK += dS0^T Q
+            gemm(blas, ds, False, k[c0:c1], False, dq[r0:r1], 1.0, 1.0)  # (A8) dQ += dS0 K
+    dscale = 0.0  # (V7) sum(Q * dS0 K), float64 in 8 partials (a fixed order)
+    D = q.shape[1]
+    part = np.zeros(8)
+    for i in range(Lq):
+        for d in range(D):
+            part[d % 8] += np.float64(q[i, d]) * np.float64(dq[i, d])
+            dq[i, d] = dq[i, d] * scale  # (A8)
+    for t in range(8):
+        dscale += part[t]
+    return dslope, dscale
