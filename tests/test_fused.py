@@ -323,7 +323,7 @@ def test_row_intervals_are_the_mask_rule(seed):
     rng = np.random.default_rng(seed)
     b, lq, lk = 3, int(rng.integers(1, 30)), int(rng.integers(1, 30))
     causal = [False, "top_left", "bottom_right"][seed % 3]
-    side = lambda: None if rng.random() < 0.3 else int(rng.integers(0, 8))  # noqa: E731
+    side = lambda: None if rng.random() < 0.3 else int(rng.integers(0, 8))
     window = None if seed % 4 == 0 else (side(), side())
     lengths = rng.integers(0, lk + 1, b) if seed % 2 else None
     spec = make_mask_spec(np, b, 2, lq, lk, causal=causal, window=window, key_lengths=lengths)

@@ -35,7 +35,7 @@ class CBlas(NamedTuple):
     path: str  # the shared library
 
 
-_FOUND: CBlas | None | bool = False  # False: not looked for yet
+_FOUND: CBlas | bool | None = False  # False: not looked for yet
 
 
 def _candidates() -> list[str]:

@@ -13,8 +13,8 @@ import math
 
 import numba
 import numpy as np
-from numba import types
 from llvmlite import ir
+from numba import types
 from numba.extending import intrinsic, overload
 
 _FM = {"contract", "nsz", "arcp"}
@@ -125,7 +125,7 @@ def online_softmax(s, m, l, acc):
     """(FA3) on one tile, in place: m' = max(m, rowmax S); S <- e^(S - m');
     l <- l e^(m - m') + rowsum; acc <- acc e^(m - m'); m <- m'.
     s (bq, bk), m and l (bq,) in the compute dtype; acc (bq, Dv) any float dtype."""
-    bq, bk = s.shape
+    bq = s.shape[0]
     for i in range(bq):
         row = s[i]
         mx = _rowmax(row, m[i])
