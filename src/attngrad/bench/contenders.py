@@ -167,6 +167,15 @@ def library(name: str) -> str:
     return "torch" if name.startswith("torch") else "numpy"
 
 
+def primer(name: str) -> str:
+    """How the harness wakes a contender's threads before a timed call: "torch" (a small
+    torch GEMM), "numpy" (a NumPy GEMM on BLAS's own threads) or "numpy_serial" (a NumPy
+    GEMM on one BLAS thread) for attngrad_tiled, whose workers run BLAS single-threaded:
+    waking BLAS's pool would leave its threads spinning on the cores those workers need
+    (docs/performance.md)."""
+    return "numpy_serial" if name == "attngrad_tiled" else library(name)
+
+
 def contender(kind: str, name: str) -> Callable[[Case], Step]:
     table = ATTENTION if kind == "attention" else LAYER
     if name not in table:

@@ -5,7 +5,9 @@ Idle thread pools go to sleep (OpenBLAS after ~0.1 s of spinning, OpenMP likewis
 first call after that pays to wake them, while a pool still spinning from the previous
 contender slows the next one.  So before each timed call the harness waits ``settle``
 seconds (the previous library's threads stop spinning) and then primes the contender's own
-library with a small GEMM (its threads are awake), which is not timed.
+library with a small GEMM (its threads are awake), which is not timed: on BLAS's threads
+for the dense path, on one BLAS thread for the tiled path, whose Python workers each run
+BLAS single-threaded (a woken BLAS pool would spin on their cores for ~0.1 s).
 """
 
 from __future__ import annotations
@@ -16,16 +18,24 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .contenders import Step, library
+from .contenders import Step, primer
 
 
-def _primer(lib: str) -> Callable[[], None]:
-    if lib == "torch":
+def _primer(kind: str) -> Callable[[], None]:
+    if kind == "torch":
         import torch
 
         a = torch.ones(256, 256)
         return lambda: a @ a
     a = np.ones((256, 256), dtype=np.float32)
+    if kind == "numpy_serial":
+        from ..core.parallel import blas_threads
+
+        def serial():
+            with blas_threads(1):
+                a @ a
+
+        return serial
     return lambda: a @ a
 
 
@@ -33,7 +43,7 @@ def time_round_robin(
     steps: dict[str, Step], *, rounds: int, warmup: int = 1, settle: float = 0.15
 ) -> dict[str, list[float]]:
     """Seconds of each timed call of each step: ``warmup`` untimed rounds, then ``rounds``."""
-    primers = {name: _primer(library(name)) for name in steps}
+    primers = {name: _primer(primer(name)) for name in steps}
     times: dict[str, list[float]] = {name: [] for name in steps}
     for r in range(warmup + rounds):
         for name, step in steps.items():

@@ -113,10 +113,13 @@ def make_tiling(block_q=None, block_k=None, threads=None) -> Tiling:
 # tiled 34 ms vs dense 64 ms at H=2, 147 vs 184 ms at H=8; docs/performance.md, issue 13).
 AUTO_TILED_SKIP_MIN_ENTRIES = 1 << 21
 # Where the compiled tile loops cover the problem (:func:`compiled_loops`), the tiled path
-# is as fast as the dense one from these sizes on (fwd + bwd, float32, 2 cores, D=64:
-# at 2^21 logits tiled/dense 0.82 for B=4 H=8 N=256, 0.53 causal at B=1 H=8 N=512;
-# `python benchmarks/auto_switch.py`, docs/performance.md).
-AUTO_COMPILED_MIN_ENTRIES = 1 << 21
+# is faster than the dense one from these sizes on (fwd + bwd, float32, 2 cores, D=64;
+# `python benchmarks/auto_switch.py`, docs/performance.md).  Without a causal or window rule
+# the switch sits at 2^22, not lower: inside the multi-head layer the projections' BLAS
+# threads still spin when the attention starts, which costs the tiled path's own workers
+# more than the dense path's BLAS calls (layer B=4 N=256 E=512 H=8, 2^21 logits: dense
+# 1.01x, tiled 1.27x torch.nn.MultiheadAttention).
+AUTO_COMPILED_MIN_ENTRIES = 1 << 22
 AUTO_COMPILED_SKIP_MIN_ENTRIES = 1 << 19
 
 
