@@ -139,9 +139,9 @@ def choose_impl(xp, prob) -> str:
         return "dense"
     spec = prob.spec
     skips = (spec.causal is not None or spec.window is not None) and sh.lq > DEFAULT_BLOCK_Q
-    if covered(prob) and fused.enabled() and fused.tile_loops() is not None:
-        if entries >= AUTO_COMPILED_MIN_ENTRIES or (skips and entries >= AUTO_COMPILED_SKIP_MIN_ENTRIES):
-            return "tiled"
+    big = entries >= AUTO_COMPILED_MIN_ENTRIES or (skips and entries >= AUTO_COMPILED_SKIP_MIN_ENTRIES)
+    if big and fused.enabled() and fused.tile_loops() is not None and covered(prob):  # sizes first:
+        return "tiled"  # covered() looks at every batch row's key lengths
     if skips and entries >= AUTO_TILED_SKIP_MIN_ENTRIES:
         return "tiled"
     return "dense"
