@@ -79,7 +79,7 @@ def gemm(blas, a, ta, b, tb, c, alpha, beta):
 
 @_jit
 def _gemm_call(fn, ilp64, t_a, t_b, m, n, k, alpha, pa, lda, pb, ldb, beta, pc, ldc):
-    """The CBLAS call with 64-bit (ILP64) or 32-bit integers; alpha, beta as given."""
+    """The CBLAS call with 64-bit integers (an ILP64 BLAS) or 32-bit ones; alpha, beta as given."""
     o = np.int32(_ROW_MAJOR)
     if ilp64:
         _cblas_call(fn, o, np.int32(t_a), np.int32(t_b), np.int64(m), np.int64(n), np.int64(k),

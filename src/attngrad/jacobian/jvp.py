@@ -69,12 +69,13 @@ def _f64(name, a):
 
 
 def _tangent(name, t, like):
-    """None -> zeros; otherwise float64 whose trailing axes are ``like``'s shape."""
+    """None -> zeros; otherwise float64 whose trailing axes are ``like`` (an array or a shape)."""
+    shape = tuple(getattr(like, "shape", like))
     if t is None:
-        return np.zeros_like(like)
+        return np.zeros(shape)
     _f64(name, t)
-    if t.shape[t.ndim - like.ndim:] != like.shape or t.ndim < like.ndim:
-        raise ValueError(f"tangent {name} must have shape (..., {', '.join(map(str, like.shape))}); got {t.shape}")
+    if t.shape[t.ndim - len(shape):] != shape or t.ndim < len(shape):
+        raise ValueError(f"tangent {name} must have shape (..., {', '.join(map(str, shape))}); got {t.shape}")
     return t
 
 
@@ -96,41 +97,82 @@ def attention_structure(q, k, v, *, mask=None, key_lengths=None, key_mask=None, 
     return prob.shape, prob.spec.block(np), prob.scale, logit_variants(prob)
 
 
-def attention_jvp_parts(q, k, v, tq, tk, tv, allowed, scale, var: LogitVariants = NO_VARIANTS) -> AttnJVP:
-    """(J1)-(J3) on validated inputs; ``allowed`` and ``var`` from :func:`attention_structure`."""
+class AttnPrimal(NamedTuple):
+    """The primal of one attention call, heads expanded to H: what the JVP and the closed-form
+    Jacobians (JD1)-(JD5) read.
+
+    Memory: P (and t, Z / (1 − p) with their variants) are B*H*Lq*Lk values each; K and V
+    are repeated to H heads only under GQA (the Jacobian tools target small sizes)."""
+
+    q: np.ndarray  # (B, H, Lq, D)      rows with no key zeroed
+    k: np.ndarray  # (B, H, Lk, D)      repeated over the group, unused keys zeroed
+    v: np.ndarray  # (B, H, Lk, Dv)
+    p: np.ndarray  # (B, H, Lq, Lk)
+    out: np.ndarray  # (B, H, Lq, Dv)
+    scale: float
+    group: int  # G = H / Hkv
+    softcap: float | None  # c of (V1)
+    t: np.ndarray | None  # (B, H, Lq, Lk) tanh(S0 / c), with a soft-cap   (V1)
+    keep: np.ndarray | None  # (B, H, Lq, Lk) Z / (1 − p), with dropout   (V3)
+    key_used: np.ndarray | None  # (b, h, Lk, 1) bool, with a mask structure
+    row_used: np.ndarray | None  # (b, h, Lq, 1) bool, with a mask structure
+
+
+def attention_primal(q, k, v, allowed, scale, var: LogitVariants = NO_VARIANTS) -> AttnPrimal:
+    """(A1)-(A3) with the variants on validated inputs; ``allowed`` and ``var`` from
+    :func:`attention_structure`."""
     H, Hkv = q.shape[1], k.shape[1]
     G = H // Hkv if Hkv else 1
-    primal_only = tq is None and tk is None and tv is None  # the closed-form Jacobians' case
-    tq, tk, tv = _tangent("tq", tq, q), _tangent("tk", tk, k), _tangent("tv", tv, v)
-    k, v = np.repeat(k, G, axis=1), np.repeat(v, G, axis=1)  # (B, H, Lk, D|Dv): head h uses kv head h // G
-    tk, tv = np.repeat(tk, G, axis=-3), np.repeat(tv, G, axis=-3)
+    if G > 1:
+        k, v = np.repeat(k, G, axis=1), np.repeat(v, G, axis=1)  # (B, H, Lk, D|Dv): head h uses kv head h // G
+    key_used = row_used = None
     if allowed is not None:  # structure, not value: unused keys and rows cannot reach the result
         key_used = np.any(allowed, axis=-2)[..., None]  # (b, h, Lk, 1)
         row_used = np.any(allowed, axis=-1)[..., None]  # (b, h, Lq, 1)
-        k, tk = np.where(key_used, k, 0.0), np.where(key_used, tk, 0.0)
-        v, tv = np.where(key_used, v, 0.0), np.where(key_used, tv, 0.0)
-        q, tq = np.where(row_used, q, 0.0), np.where(row_used, tq, 0.0)
-    kt = np.swapaxes(k, -1, -2)  # (B, H, D, Lk)
-    s = scale * (q @ kt)  # (A1) (B, H, Lq, Lk)
+        k, v = np.where(key_used, k, 0.0), np.where(key_used, v, 0.0)
+        q = np.where(row_used, q, 0.0)
+    s = scale * (q @ np.swapaxes(k, -1, -2))  # (A1) (B, H, Lq, Lk)
+    t = None
     if var.softcap is not None:
         t = np.tanh(s / var.softcap)  # (V1)
         s = var.softcap * t  # (V1) S1 = c tanh(S0 / c)
     if var.add is not None:
         s = s + var.add  # (A1, V4) + Bias − slope |pos(i) − j|
     p, _ = softmax_with_sinks(np, s, allowed, var.sinks)  # (A2, V2)
-    pd = p if var.keep is None else p * var.keep  # (V3) P ∘ Z / (1 − p)
-    out = pd @ v  # (A3) (B, H, Lq, Dv)
-    if primal_only:  # zero direction: every tangent is 0
-        zero = np.zeros_like(p)
-        return AttnJVP(q, k, v, tq, tk, tv, p, zero, out, np.zeros_like(out), scale, G, var.softcap,
-                       None if var.softcap is None else t, None if var.softcap is None else zero, var.keep)
-    ts0 = ts = scale * (tq @ kt + q @ np.swapaxes(tk, -1, -2))  # (J1) (..., B, H, Lq, Lk)
-    if var.softcap is not None:
-        ts = ts0 * (1.0 - t * t)  # (V1) the soft-cap's chain rule
-    tp = p * (ts - np.sum(p * ts, axis=-1, keepdims=True))  # (J2) (the sink's logit has no tangent)
-    tout = (tp if var.keep is None else tp * var.keep) @ v + pd @ tv  # (J3, V3) (..., B, H, Lq, Dv)
-    return AttnJVP(q, k, v, tq, tk, tv, p, tp, out, tout, scale, G, var.softcap,
-                   None if var.softcap is None else t, None if var.softcap is None else ts0, var.keep)
+    out = (p if var.keep is None else p * var.keep) @ v  # (A3, V3) (B, H, Lq, Dv)
+    return AttnPrimal(q, k, v, p, out, scale, G, var.softcap, t, var.keep, key_used, row_used)
+
+
+def attention_tangents(r: AttnPrimal, tq, tk, tv) -> AttnJVP:
+    """(J1)-(J3) at the primal ``r`` along (tq, tk, tv) (None = 0, extra leading axes allowed)."""
+    q, k, v, p, scale, G = r.q, r.k, r.v, r.p, r.scale, r.group
+    Hkv = k.shape[1] // G
+    shapes = {"tq": q.shape, "tk": (*k.shape[:1], Hkv, *k.shape[2:]), "tv": (*v.shape[:1], Hkv, *v.shape[2:])}
+    primal_only = tq is None and tk is None and tv is None  # the zero direction
+    tq, tk, tv = (_tangent(n, t, shapes[n]) for n, t in (("tq", tq), ("tk", tk), ("tv", tv)))
+    tk, tv = np.repeat(tk, G, axis=-3), np.repeat(tv, G, axis=-3)
+    if r.key_used is not None:
+        tk, tv = np.where(r.key_used, tk, 0.0), np.where(r.key_used, tv, 0.0)
+        tq = np.where(r.row_used, tq, 0.0)
+    ts0 = None
+    if primal_only:  # every tangent is 0
+        tp = np.zeros_like(p)
+        tout = np.zeros_like(r.out)
+        ts0 = None if r.softcap is None else tp
+    else:
+        ts0 = ts = scale * (tq @ np.swapaxes(k, -1, -2) + q @ np.swapaxes(tk, -1, -2))  # (J1) (..., B, H, Lq, Lk)
+        if r.softcap is not None:
+            ts = ts0 * (1.0 - r.t * r.t)  # (V1) the soft-cap's chain rule
+        tp = p * (ts - np.sum(p * ts, axis=-1, keepdims=True))  # (J2) (the sink's logit has no tangent)
+        pd = p if r.keep is None else p * r.keep  # (V3) P ∘ Z / (1 − p)
+        tout = (tp if r.keep is None else tp * r.keep) @ v + pd @ tv  # (J3, V3) (..., B, H, Lq, Dv)
+    return AttnJVP(q, k, v, tq, tk, tv, p, tp, r.out, tout, scale, G, r.softcap, r.t,
+                   None if r.softcap is None else ts0, r.keep)
+
+
+def attention_jvp_parts(q, k, v, tq, tk, tv, allowed, scale, var: LogitVariants = NO_VARIANTS) -> AttnJVP:
+    """(J1)-(J3) on validated inputs; ``allowed`` and ``var`` from :func:`attention_structure`."""
+    return attention_tangents(attention_primal(q, k, v, allowed, scale, var), tq, tk, tv)
 
 
 def sdpa_jvp(q, k, v, tq=None, tk=None, tv=None, *, mask=None, key_lengths=None, key_mask=None,
