@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from .core._xp import Array
 
 
@@ -39,7 +41,11 @@ def project(xp, x: Array, w: Array, b: Array | None = None) -> Array:
     (faster than a batched one).  Returns a new array."""
     *lead, n_in = x.shape
     y = xp.reshape(xp.reshape(x, (math.prod(lead), n_in)) @ w, (*lead, w.shape[1]))  # (F1) (..., out)
-    return y if b is None else y + b  # (F1)
+    if b is None:
+        return y
+    if isinstance(y, np.ndarray) and y.dtype == np.result_type(y, b):
+        return np.add(y, b, out=y)  # (F1) in place: y is the GEMM's fresh result
+    return y + b  # (F1)
 
 
 def weight_grad(xp, x: Array, dy: Array) -> Array:
@@ -66,6 +72,8 @@ def bias_grad(xp, dy: Array) -> Array:
     """
     n_out = dy.shape[-1]
     dy2 = xp.reshape(dy, (-1, n_out))  # (N, out)
+    if isinstance(dy2, np.ndarray):  # float64 sum; einsum: less overhead than the ufunc reduce
+        return np.einsum("ij->j", dy2.astype(np.float64)).astype(dy.dtype)  # (F2) (out,)
     return xp.astype(xp.sum(dy2, axis=0, dtype=xp.float64), dy.dtype)  # (F2) (out,)
 
 

@@ -229,6 +229,26 @@ def _head(prob: Problem, b: int, h: int) -> Head:
     return Head(b, h, slope, sink)
 
 
+_LINE = 128  # bytes: two cache lines (a line and its adjacent-line prefetch)
+
+
+def worker_scratch(dtype, *sizes: int) -> tuple:
+    """Flat scratch arrays of ``sizes`` elements for one worker, carved from one block so
+    that each starts on its own cache lines and no other worker's data shares a line with
+    them: per-row running values (m, l) written by two cores into one line would bounce it
+    between them at every row (false sharing)."""
+    item = np.dtype(dtype).itemsize
+    step = _LINE // item
+    spans = [-(-max(n, 1) // step) * step for n in sizes]  # each rounded up to whole lines
+    block = np.empty(sum(spans) + 3 * step, dtype=dtype)
+    start = (-(block.ctypes.data // item) % step) + step  # aligned, one guard span first
+    out = []
+    for n, span in zip(sizes, spans, strict=True):
+        out.append(block[start : start + n])
+        start += span
+    return tuple(out)
+
+
 def _tile_buf(buf, rows: int, cols: int):
     """A C-contiguous (rows, cols) view of a flat scratch buffer: BLAS writes into it
     directly and the fused kernels see one memory layout."""
@@ -330,8 +350,7 @@ def tiled_forward(q, k, v, prob: Problem, tiling: Tiling):
 
     def work_compiled(b: int, h: int, worker: int) -> None:
         if worker not in scratch:
-            scratch[worker] = (np.empty(bq * bk, dtype=cdt), np.empty(bq * Dv, dtype=cdt),
-                               *(np.empty(bq, dtype=cdt) for _ in range(3)))
+            scratch[worker] = worker_scratch(cdt, bq * bk, bq * Dv, bq, bq, bq)
         s_buf, pv_buf, m, l, rescale = scratch[worker]
         hd = _head(prob, b, h)
         lo, hi = _interval(loops, b)
@@ -347,7 +366,7 @@ def tiled_forward(q, k, v, prob: Problem, tiling: Tiling):
             return
         hd = _head(prob, b, h)
         if worker not in scratch:
-            scratch[worker] = np.empty(bq * bk, dtype=cdt)
+            scratch[worker] = worker_scratch(cdt, bq * bk)[0]
         s_buf = scratch[worker]
         kh, vh = k[b, h // G], v[b, h // G]  # (Lk, D), (Lk, Dv)
         qh = q[b, h] * prob.scale if prob.fold else q[b, h]  # (Lq, D)
@@ -513,8 +532,7 @@ def tiled_backward(dout, cache: TiledCache) -> dict:
     def head_compiled(b, h, hk, kh, vh, worker) -> None:
         if worker not in scratch:
             n = bq * bk
-            scratch[worker] = (np.empty(n, dtype=cdt), np.empty(n, dtype=cdt),
-                               np.empty(n if prob.softcap is not None else 0, dtype=cdt))
+            scratch[worker] = worker_scratch(cdt, n, n, n if prob.softcap is not None else 0)
         hd = _head(prob, b, h)
         lo, hi = _interval(loops, b)
         per_head[b, h, :2] = loops.bwd(
@@ -533,7 +551,7 @@ def tiled_backward(dout, cache: TiledCache) -> dict:
                 dk[b, hk] *= prob.scale  # (A9)
             return
         if worker not in scratch:
-            scratch[worker] = (np.empty(bq * bk, dtype=cdt), np.empty(bq * bk, dtype=cdt))
+            scratch[worker] = worker_scratch(cdt, bq * bk, bq * bk)
         s_buf, dp_buf = scratch[worker]
         db_all = None if partials is None else partials[slot if own_partials else 0]
         for b, hk in slots[slot]:

@@ -16,8 +16,10 @@ from .columns import jacobian_to_columns, params_from_columns, to_rows
 from .jvp import (
     _f64,
     attention_jvp_parts,
+    attention_primal,
     attention_structure,
     layer_jvp_parts,
+    layer_primal,
 )
 
 SDPA_ARGS = ("q", "k", "v")
@@ -68,7 +70,7 @@ def sdpa_jacobian(q, k, v, wrt: str = "q", *, method: str = "closed", chunk: int
     args = {"q": q, "k": k, "v": v}
     out_shape = (q.shape[0], q.shape[1], q.shape[2], v.shape[3])
     if method == "closed":
-        return _sdpa_jacobian_blocks(attention_jvp_parts(q, k, v, None, None, None, allowed, s, var), wrt,
+        return _sdpa_jacobian_blocks(attention_primal(q, k, v, allowed, s, var), wrt,
                                      out_shape + tuple(args[wrt].shape))
 
     def jvp_of(t):
@@ -79,7 +81,7 @@ def sdpa_jacobian(q, k, v, wrt: str = "q", *, method: str = "closed", chunk: int
 
 
 def _logit_weight(r):
-    """P ∘ (1 − t²): the probabilities times the soft-cap's local derivative (V1); P without one."""
+    """W = P ∘ (1 − t²): the probabilities times the soft-cap's local derivative (V1); P without one."""
     return r.p if r.softcap is None else r.p * (1.0 - r.t * r.t)
 
 
@@ -88,43 +90,55 @@ def _kept(r, a):
     return a if r.keep is None else a * r.keep
 
 
-def _dq_block(r):
-    """(J6) without δ_ii': (B, H, Lq, Dv, D).  With a soft-cap and dropout,
-    ∂O_ie/∂Q_id = s Σ_j P_ij (1 − t_ij²) (Z_ij V_je / (1 − p) − O_ie) K_jd."""
-    w, k, v, o = _logit_weight(r), r.k, r.v, r.out
-    return r.scale * (np.einsum("bhij,bhje,bhjd->bhied", _kept(r, w), v, k) - o[..., :, None] * (w @ k)[..., None, :])
+def _q_block(r, vals, outs):
+    """(J6) as (JD2), without δ_ii': (B, H, Lq, F, D) for values ``vals`` (B, H, Lk, F) and
+    their mix ``outs`` = P̃ vals (B, H, Lq, F): (V, O) for attention, (U, Ū) of (JD4) for
+    the layer.  One matrix product over j for every (f, d) pair at once."""
+    w = _logit_weight(r)  # (B, H, Lq, Lk)
+    k = r.k  # (B, H, Lk, D)
+    B, H, Lk, F = vals.shape
+    Lq, D = w.shape[2], k.shape[3]
+    vk = (vals[..., :, None] * k[..., None, :]).reshape(B, H, Lk, F * D)  # (B, H, Lk, F*D): vals_jf K_jd
+    a = (_kept(r, w) @ vk).reshape(B, H, Lq, F, D)  # (JD2) (B, H, Lq, F, D)
+    a -= outs[..., None] * (w @ k)[..., None, :]  # (JD2) − outs_if (W K)_id
+    a *= r.scale
+    return a
 
 
-def _dk_block(r):
-    """(J7): (B, H, Lq, Dv, Lk, D), per query head (soft-cap and dropout as in (J6))."""
-    zv = r.v[:, :, None, :, :] if r.keep is None else r.keep[..., None] * r.v[:, :, None, :, :]
-    vo = zv - r.out[:, :, :, None, :]  # (B, H, Lq, Lk, Dv): Z_ij V_je / (1 − p) − O_ie
-    return r.scale * np.einsum("bhij,bhije,bhid->bhiejd", _logit_weight(r), vo, r.q)
+def _k_coeff(r, vals, outs):
+    """(J7) as (JD3) without Q: s (P̃_ij vals_jf − W_ij outs_if), (B, H, Lq, F, Lk)."""
+    w = _logit_weight(r)  # (B, H, Lq, Lk)
+    c = _kept(r, w)[..., :, None, :] * vals.swapaxes(-1, -2)[..., None, :, :]  # (B, H, Lq, F, Lk)
+    c -= outs[..., None] * w[..., :, None, :]  # (JD3)
+    c *= r.scale
+    return c
 
 
 def _sdpa_jacobian_blocks(r, wrt: str, shape: tuple):
-    """The Jacobian's nonzero blocks: out row (b, h, i) depends on q row (b, h, i) and on
-    k, v of kv head h // G of sequence b only.
+    """(JD1): the Jacobian is zero but for its blocks, written in place through a diagonal
+    view of the zero array: out row (b, h, i) depends on q row (b, h, i) and on k, v of kv
+    head h // G of sequence b only.
 
         (J6) ∂O_ie/∂Q_i'd = δ_ii' s Σ_j P_ij (V_je − O_ie) K_jd
         (J7) ∂O_ie/∂K_jd  = s P_ij (V_je − O_ie) Q_id
         (J8) ∂O_ie/∂V_je' = P_ij δ_ee'
     """
-    p, q = r.p, r.q  # heads expanded to H
-    B, H, Lq, _ = q.shape
+    B, H, Lq, D = r.q.shape
+    Dv, Lk = r.v.shape[3], r.k.shape[2]
+    G = r.group
+    Hkv = H // G
     jac = np.zeros(shape)
-    b = np.arange(B)[:, None, None]  # (B, 1, 1)
-    h = np.arange(H)[None, :, None]  # (1, H, 1)
-    i = np.arange(Lq)[None, None, :]  # (1, 1, Lq)
-    hk = h // r.group  # the kv head of query head h
-    if wrt == "q":
-        jac[b, h, i, :, b, h, i, :] = _dq_block(r)  # (J6) (B, H, Lq, Dv, D)
-    elif wrt == "k":
-        jac[b, h, i, :, b, hk, :, :] = _dk_block(r)  # (J7) (B, H, Lq, Dv, Lk, D)
+    if wrt == "q":  # (B, H, Lq, Dv, B, H, Lq, D): the diagonal over (b, h, i)
+        np.einsum("bhiebhid->bhied", jac)[...] = _q_block(r, r.v, r.out)  # (J6, JD1, JD2)
+        return jac
+    grouped = jac.reshape(B, Hkv, G, Lq, Dv, B, Hkv, Lk, shape[-1])  # a view: h = (hk, g)
+    if wrt == "k":
+        diag = np.einsum("bkgiebkjd->bkgiejd", grouped)  # (B, Hkv, G, Lq, Dv, Lk, D)
+        coeff = _k_coeff(r, r.v, r.out).reshape(B, Hkv, G, Lq, Dv, Lk, 1)  # (J7, JD3)
+        np.multiply(coeff, r.q.reshape(B, Hkv, G, Lq, 1, 1, D), out=diag)  # (JD3) · Q_id
     else:
-        dv = r.v.shape[-1]
-        block = _kept(r, p)[:, :, :, None, :, None] * np.eye(dv)[:, None, :]  # (J8, V3) (B, H, Lq, Dv, Lk, Dv)
-        jac[b, h, i, :, b, hk, :, :] = block
+        diag = np.einsum("bkgiebkje->bkgije", grouped)  # (B, Hkv, G, Lq, Lk, Dv): e = e'
+        diag[...] = _kept(r, r.p).reshape(B, Hkv, G, Lq, Lk, 1)  # (J8, V3, JD1)
     return jac
 
 
@@ -159,10 +173,11 @@ def mha_jacobian(params, query, key=None, value=None, *, wrt: str = "query", con
     else:
         arg = params[wrt]
     _f64(wrt, arg)
-    kwargs = {**kwargs, "who": "mha_jacobian", "kind": "closed" if method == "closed" and wrt in params else "jvp"}
+    closed = method == "closed" and wrt in params
+    kwargs = {**kwargs, "who": "mha_jacobian", "kind": "closed" if closed else "jvp"}
+    if closed:
+        return _layer_param_blocks(layer_primal(params, query, key, value, **kwargs), params, wrt)
     base = layer_jvp_parts(params, query, key, value, **kwargs)
-    if method == "closed" and wrt in params:
-        return _layer_param_blocks(base, params, wrt)
 
     def jvp_of(t):
         return layer_jvp_parts(params, query, key, value, tangents={wrt: t}, **kwargs).ty
@@ -171,33 +186,46 @@ def mha_jacobian(params, query, key=None, value=None, *, wrt: str = "query", con
 
 
 def _layer_param_blocks(r, params, wrt: str):
-    """(J9) dY/dθ for a parameter θ, by contracting the attention blocks (J6)-(J8) with
-    the projections: Y = C W^O + b^O, C = [O_1 … O_H], Q = X_q W^Q + b^Q (likewise K, V).
-    Query head h reads kv head h // G; the K and V blocks are summed over each group."""
+    """(J9) dY/dθ for a parameter θ in closed form, (JD4)-(JD5): Y = C W^O + b^O,
+    C = [O_1 … O_H], Q = X_q W^Q + b^Q (likewise K, V).  The attention blocks (J6)-(J8)
+    are contracted with W^O first (U_h = V_h W^O_h, Ū_h = O_h W^O_h), then with the inputs;
+    query head h reads kv head h // G, so the K and V terms are summed over each group."""
     a, (xq, xk, xv), c = r.attn, r.sources, r.context
-    B, H, Lq, _ = a.q.shape
+    B, H, Lq, D = a.q.shape
+    G = a.group
+    Hkv, Dv = H // G, a.v.shape[3]
     wo = params["W_o"]
     E = wo.shape[1]
-    wo_h = np.reshape(wo, (H, -1, E))  # (H, Dv, E): rows of W^O read by head h
-
-    def grouped(t):  # (B, Lq, E, ..., H, d) -> (B, Lq, E, ..., Hkv*d), summed over each group
-        *lead, h, d = t.shape
-        return np.reshape(np.sum(np.reshape(t, (*lead, h // a.group, a.group, d)), axis=-2), (*lead, h // a.group * d))
-
+    wo_h = np.reshape(wo, (H, Dv, E))  # (H, Dv, E): rows of W^O read by head h
     if wrt == "W_o":  # ∂Y_ie/∂W^O_fe' = C_if δ_ee'
-        return c[:, :, None, :, None] * np.eye(E)[None, None, :, None, :]
-    if wrt == "b_o":
+        jac = np.zeros((B, Lq, E, H * Dv, E))
+        np.einsum("biefe->bief", jac)[...] = c[:, :, None, :]  # (J9, JD1) the diagonal e = e'
+        return jac
+    if wrt == "b_o":  # ∂Y_ie/∂b^O_e' = δ_ee'
         return np.broadcast_to(np.eye(E), (B, Lq, E, E)).copy()
+    if wrt in ("W_v", "b_v"):  # (J8, V3) through W^O: Σ_g (P̃ X_v)_ia W^O_h,ve
+        kept = _kept(a, a.p)  # (B, H, Lq, Lk)
+        wo_g = np.reshape(wo_h, (Hkv, G, Dv, E))  # h = (hk, g)
+        if wrt == "b_v":
+            rows = np.reshape(np.sum(kept, axis=-1), (B, Hkv, G, Lq))  # (JD5) rowsum(P̃)
+            return np.reshape(np.einsum("bkgi,kgve->biekv", rows, wo_g), (B, Lq, E, Hkv * Dv))
+        px = np.reshape(kept @ xv[:, None], (B, Hkv, G, Lq, xv.shape[-1]))  # (JD5) P̃ X_v (B, Hkv, G, Lq, Ev)
+        return np.reshape(np.einsum("bkgia,kgve->bieakv", px, wo_g), (B, Lq, E, xv.shape[-1], Hkv * Dv))
+    u = a.v @ wo_h  # (JD4) U_h = V_h W^O_h (B, H, Lk, E)
+    ubar = a.out @ wo_h  # (JD4) Ū_h = O_h W^O_h (B, H, Lq, E)
     if wrt in ("W_q", "b_q"):
-        t = np.einsum("hve,bhivd->biehd", wo_h, _dq_block(a))  # (B, Lq, E, H, D): ∂Y/∂Q_i
+        t = np.transpose(_q_block(a, u, ubar), (0, 2, 3, 1, 4))  # (J6, JD4) ∂Y_ie/∂Q_h,id (B, Lq, E, H, D)
         if wrt == "b_q":
-            return np.reshape(t, (B, Lq, E, -1))
-        return np.reshape(np.einsum("biehd,bia->bieahd", t, xq), (B, Lq, E, xq.shape[-1], -1))
-    if wrt in ("W_k", "b_k"):
-        dk = _dk_block(a)  # (B, H, Lq, Dv, Lk, D)
-        if wrt == "b_k":
-            return grouped(np.einsum("hve,bhivjd->biehd", wo_h, dk))
-        return grouped(np.einsum("hve,bhivjd,bja->bieahd", wo_h, dk, xk))
-    if wrt == "b_v":
-        return grouped(np.einsum("hve,bhij->biehv", wo_h, _kept(a, a.p)))  # (J8, V3)
-    return grouped(np.einsum("hve,bhij,bja->bieahv", wo_h, _kept(a, a.p), xv))  # W_v
+            return np.reshape(t, (B, Lq, E, H * D))
+        ein = xq.shape[-1]
+        jac = np.empty((B, Lq, E, ein, H, D))
+        np.multiply(t[:, :, :, None], xq[:, :, None, :, None, None], out=jac)  # (JD5) T_ie,hd X_ia
+        return np.reshape(jac, (B, Lq, E, ein, H * D))
+    coeff = _k_coeff(a, u, ubar)  # (J7, JD4) s (P̃ U − W Ū) (B, H, Lq, E, Lk)
+    q_g = np.reshape(a.q, (B, Hkv, G, Lq, D))  # h = (hk, g)
+    if wrt == "b_k":  # (JD5) Σ_g rowsum_j(coeff) Q_id
+        rows = np.reshape(np.sum(coeff, axis=-1), (B, Hkv, G, Lq, E))
+        return np.reshape(np.einsum("bkgie,bkgid->biekd", rows, q_g), (B, Lq, E, Hkv * D))
+    ek = xk.shape[-1]
+    cx = np.reshape(coeff @ xk[:, None, None], (B, Hkv, G, Lq, E, ek))  # (JD5) Σ_j coeff X_k,ja
+    return np.reshape(np.einsum("bkgiea,bkgid->bieakd", cx, q_g), (B, Lq, E, ek, Hkv * D))

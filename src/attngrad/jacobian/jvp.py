@@ -124,21 +124,22 @@ def attention_primal(q, k, v, allowed, scale, var: LogitVariants = NO_VARIANTS) 
     H, Hkv = q.shape[1], k.shape[1]
     G = H // Hkv if Hkv else 1
     if G > 1:
-        k, v = np.repeat(k, G, axis=1), np.repeat(v, G, axis=1)  # (B, H, Lk, D|Dv): head h uses kv head h // G
+        k, v = k.repeat(G, axis=1), v.repeat(G, axis=1)  # (B, H, Lk, D|Dv): head h uses kv head h // G
     key_used = row_used = None
     if allowed is not None:  # structure, not value: unused keys and rows cannot reach the result
-        key_used = np.any(allowed, axis=-2)[..., None]  # (b, h, Lk, 1)
-        row_used = np.any(allowed, axis=-1)[..., None]  # (b, h, Lq, 1)
+        key_used = allowed.any(axis=-2)[..., None]  # (b, h, Lk, 1)
+        row_used = allowed.any(axis=-1)[..., None]  # (b, h, Lq, 1)
         k, v = np.where(key_used, k, 0.0), np.where(key_used, v, 0.0)
         q = np.where(row_used, q, 0.0)
-    s = scale * (q @ np.swapaxes(k, -1, -2))  # (A1) (B, H, Lq, Lk)
+    s = q @ k.swapaxes(-1, -2)  # (A1) (B, H, Lq, Lk)
+    s *= scale  # (A1) in place: s is the product's fresh result
     t = None
     if var.softcap is not None:
         t = np.tanh(s / var.softcap)  # (V1)
         s = var.softcap * t  # (V1) S1 = c tanh(S0 / c)
     if var.add is not None:
         s = s + var.add  # (A1, V4) + Bias − slope |pos(i) − j|
-    p, _ = softmax_with_sinks(np, s, allowed, var.sinks)  # (A2, V2)
+    p, _ = softmax_with_sinks(np, s, allowed, var.sinks, overwrite=True)  # (A2, V2) s is ours to clobber
     out = (p if var.keep is None else p * var.keep) @ v  # (A3, V3) (B, H, Lq, Dv)
     return AttnPrimal(q, k, v, p, out, scale, G, var.softcap, t, var.keep, key_used, row_used)
 
@@ -238,6 +239,47 @@ def _db(tb):
     return tb if tb.ndim == 1 else tb[..., None, None, :]
 
 
+class LayerPrimal(NamedTuple):
+    """The primal of one layer call (what the closed-form layer Jacobians read).
+
+    Memory: the attention primal (P is B*H*Lq*Lk) and the context C; the inputs by reference."""
+
+    sources: tuple  # (X_q, X_k, X_v) primal inputs, (B, L, ·)
+    attn: AttnPrimal
+    context: np.ndarray  # C (B, Lq, H*Dv)
+    y: np.ndarray  # (B, Lq, E_out)
+
+
+def _layer_primal(params, srcs, H, Hkv, *, mask, key_lengths, key_mask, causal, scale, variants, who,
+                  kind) -> LayerPrimal:
+    """(M1)-(M4) on checked params and inputs: projections, attention per head, output."""
+    q, k, v = (project(np, x, params[f"W_{n}"], params.get(f"b_{n}"))  # (M1) (B, L, heads*D)
+               for x, n in zip(srcs, "qkv", strict=True))
+    heads = (split_heads(np, q, H), split_heads(np, k, Hkv), split_heads(np, v, Hkv))  # (M1)
+    _, allowed, s, var = attention_structure(*heads, mask=mask, key_lengths=key_lengths, key_mask=key_mask,
+                                             causal=causal, scale=scale, variants=variants, who=who, kind=kind)
+    attn = attention_primal(*heads, allowed, s, var)  # (A1)-(A3) per head
+    c = merge_heads(np, attn.out)  # (M3) (B, Lq, H*Dv)
+    y = project(np, c, params["W_o"], params.get("b_o"))  # (M4) (B, Lq, E_out)
+    return LayerPrimal(srcs, attn, c, y)
+
+
+def layer_primal(params, query, key=None, value=None, *, num_heads, num_kv_heads=None, mask=None,
+                 key_lengths=None, key_mask=None, causal=False, scale=None, bias=None, softcap=None, sinks=None,
+                 alibi_slopes=None, window=None, q_segment_ids=None, kv_segment_ids=None, dropout_p=0.0,
+                 dropout_seed=None, scale_grad=False, who: str = "mha_jacobian",
+                 kind: str = "closed") -> LayerPrimal:
+    """The layer's forward as the closed-form Jacobians read it, validated as
+    :func:`layer_jvp_parts` validates (same keywords, no tangents)."""
+    variants = {"bias": bias, "softcap": softcap, "sinks": sinks, "alibi_slopes": alibi_slopes, "window": window,
+                "q_segment_ids": q_segment_ids, "kv_segment_ids": kv_segment_ids, "dropout_p": dropout_p,
+                "dropout_seed": dropout_seed, "scale_grad": scale_grad}
+    refuse_unsupported(who, kind, variants)  # before any other work
+    H, Hkv, _, srcs = check_layer(params, query, key, value, num_heads, num_kv_heads)
+    return _layer_primal(params, srcs, H, Hkv, mask=mask, key_lengths=key_lengths, key_mask=key_mask,
+                         causal=causal, scale=scale, variants=variants, who=who, kind=kind)
+
+
 def layer_jvp_parts(params, query, key=None, value=None, *, tangents=None, num_heads, num_kv_heads=None,
                     mask=None, key_lengths=None, key_mask=None, causal=False, scale=None, bias=None,
                     softcap=None, sinks=None, alibi_slopes=None, window=None, q_segment_ids=None,
@@ -265,23 +307,20 @@ def layer_jvp_parts(params, query, key=None, value=None, *, tangents=None, num_h
     t_in = {r: _tangent(r, tangents.get(r), a) for r, a in zip(roles, srcs, strict=True)}
     tsrcs = tuple(t_in[r] for r in roles)
     tp = {n: _tangent(n, tangents.get(n), a) for n, a in params.items()}
-    proj = []
+    lp = _layer_primal(params, srcs, H, Hkv, mask=mask, key_lengths=key_lengths, key_mask=key_mask,
+                       causal=causal, scale=scale, variants=variants, who=who, kind=kind)
+    tproj = []
     for x, tx, n in zip(srcs, tsrcs, "qkv", strict=True):
-        w, b = params[f"W_{n}"], params.get(f"b_{n}")
-        y = project(np, x, w, b)  # (M1) (B, L, heads*D)
-        ty = project(np, tx, w) + _x_dw(x, tp[f"W_{n}"]) + (_db(tp[f"b_{n}"]) if b is not None else 0.0)  # (J4)
-        proj.append((y, ty))
-    (q, tq), (k, tk), (v, tv) = proj
-    heads = (split_heads(np, q, H), split_heads(np, k, Hkv), split_heads(np, v, Hkv))  # (M1)
-    _, allowed, s, var = attention_structure(*heads, mask=mask, key_lengths=key_lengths, key_mask=key_mask,
-                                             causal=causal, scale=scale, variants=variants, who=who, kind=kind)
-    attn = attention_jvp_parts(*heads, split_heads(np, tq, H), split_heads(np, tk, Hkv),
-                               split_heads(np, tv, Hkv), allowed, s, var)  # (J1)-(J3) per head
-    c, tc = merge_heads(np, attn.out), merge_heads(np, attn.tout)  # (M3) (B, Lq, H*Dv)
-    wo, bo = params["W_o"], params.get("b_o")
-    y = project(np, c, wo, bo)  # (M4) (B, Lq, E_out)
-    ty = project(np, tc, wo) + _x_dw(c, tp["W_o"]) + (_db(tp["b_o"]) if bo is not None else 0.0)  # (J5)
-    return LayerJVP(srcs, tsrcs, attn, c, tc, y, ty)
+        b = params.get(f"b_{n}")
+        tproj.append(project(np, tx, params[f"W_{n}"]) + _x_dw(x, tp[f"W_{n}"])
+                     + (_db(tp[f"b_{n}"]) if b is not None else 0.0))  # (J4) (..., B, L, heads*D)
+    tq, tk, tv = tproj
+    attn = attention_tangents(lp.attn, split_heads(np, tq, H), split_heads(np, tk, Hkv),
+                              split_heads(np, tv, Hkv))  # (J1)-(J3) per head
+    tc = merge_heads(np, attn.tout)  # (M3) (..., B, Lq, H*Dv)
+    bo = params.get("b_o")
+    ty = project(np, tc, params["W_o"]) + _x_dw(lp.context, tp["W_o"]) + (_db(tp["b_o"]) if bo is not None else 0.0)  # (J5)
+    return LayerJVP(srcs, tsrcs, attn, lp.context, tc, lp.y, ty)
 
 
 def mha_jvp(params, query, key=None, value=None, *, tangents=None, **kwargs):

@@ -28,24 +28,48 @@ def init_layernorm(dim: int, dtype="float64") -> dict:
     return {"g": np.ones(dim, dtype=dtype), "b": np.zeros(dim, dtype=dtype)}
 
 
+def _row_sum(a, b=None):
+    """Sum over the last axis, of ``a`` or of ``a * b``, without a temporary: (..., 1).
+    einsum: the same accumulation dtype as ``np.sum`` at a fraction of the call overhead
+    on short rows (issue 13: 11 vs 39 us for (1088, 64) float32)."""
+    s = np.einsum("...i->...", a) if b is None else np.einsum("...i,...i->...", a, b)
+    return s[..., None]
+
+
+def _lead_sum(a, b=None):
+    """Sum over every axis but the last, of ``a`` or of ``a * b``: (E,)."""
+    a2 = a.reshape(-1, a.shape[-1])
+    return np.einsum("ij->j", a2) if b is None else np.einsum("ij,ij->j", a2, b.reshape(a2.shape))
+
+
 def layernorm_forward(params, x, *, eps: float = 1e-5):
     """params {"g": (E,), "b": (E,)}, X (..., E) -> (Y (..., E), cache)."""
-    mu = x.mean(axis=-1, keepdims=True)  # (N1) (..., 1)
+    n = x.shape[-1]
+    mu = _row_sum(x)
+    mu /= n  # (N1) (..., 1)
     xc = x - mu  # (..., E)
-    var = np.mean(xc * xc, axis=-1, keepdims=True)  # (N2) (..., 1)
-    rstd = 1.0 / np.sqrt(var + x.dtype.type(eps))  # (N2) (..., 1)
-    xhat = xc * rstd  # (N3) (..., E)
-    y = xhat * params["g"] + params["b"]  # (N4) (..., E)
+    var = _row_sum(xc, xc)
+    var /= n  # (N2) (..., 1) two passes: no cancellation in E[x^2] - mu^2
+    var += x.dtype.type(eps)
+    rstd = np.sqrt(var, out=var)
+    rstd = np.divide(x.dtype.type(1.0), rstd, out=rstd)  # (N2) (..., 1)
+    xhat = np.multiply(xc, rstd, out=xc)  # (N3) (..., E) in xc's buffer
+    y = xhat * params["g"]
+    y += params["b"]  # (N4) (..., E)
     return y, LayerNormCache(xhat, rstd, params["g"])
 
 
 def layernorm_backward(dy, cache: LayerNormCache):
     """dY (..., E) -> (dX (..., E), {"g": dg, "b": db})."""
     xhat, rstd = cache.xhat, cache.rstd
-    axes = tuple(range(dy.ndim - 1))
-    grads = {"g": np.sum(dy * xhat, axis=axes), "b": np.sum(dy, axis=axes)}  # (N5) (E,)
-    dxhat = dy * cache.g  # (N6) (..., E)
-    mean_d = dxhat.mean(axis=-1, keepdims=True)  # (N6) (..., 1)
-    mean_dx = np.mean(dxhat * xhat, axis=-1, keepdims=True)  # (N6) (..., 1)
-    dx = rstd * (dxhat - mean_d - xhat * mean_dx)  # (N6) (..., E)
+    n = dy.shape[-1]
+    grads = {"g": _lead_sum(dy, xhat), "b": _lead_sum(dy)}  # (N5) (E,)
+    dx = dy * cache.g  # (N6) dxhat (..., E)
+    mean_d = _row_sum(dx)
+    mean_d /= n  # (N6) (..., 1)
+    mean_dx = _row_sum(dx, xhat)
+    mean_dx /= n  # (N6) (..., 1)
+    dx -= mean_d
+    dx -= xhat * mean_dx
+    dx *= rstd  # (N6) dx = rstd * (dxhat - mean_d - xhat * mean_dx)  (..., E)
     return dx, grads
