@@ -340,3 +340,27 @@ def test_row_intervals_are_the_mask_rule(seed):
         km[0, 0] = lk < 2
         gap = make_mask_spec(np, b, 2, lq, lk, key_mask=km)
         assert (gap.row_intervals(0) is None) is (lk >= 2)
+
+
+@needs_numba
+def test_without_numpys_cblas_the_numpy_tile_loop_runs(monkeypatch):
+    """No CBLAS entry point found (core/_blas.py): the fused per-tile kernels still run in
+    the NumPy tile loop, with the same results."""
+    from attngrad.core.tiled import compiled_loops
+
+    monkeypatch.setenv(fused.ENV_DISABLE, "0")
+    x, opts = _case(6, SHAPES[0], "compiled all")
+    with_loops = _run(x, opts, np.float64, True, monkeypatch, block_q=8, block_k=16)
+    monkeypatch.setattr(fused, "_LOOPS", False)  # as if no CBLAS had been found
+    got = _run(x, opts, np.float64, True, monkeypatch, block_q=8, block_k=16)
+    _, cache = ag.sdpa_forward(x["q"], x["k"], x["v"], impl="tiled", **opts)
+    assert cache.tiling.fused and compiled_loops(cache.problem, cache.tiling) is None
+    assert_close_rel(got, with_loops, what="no CBLAS: ")
+
+
+def test_cblas_lookup_finds_numpys_blas_or_says_none():
+    from attngrad.core._blas import cblas_gemm
+
+    found = cblas_gemm()
+    assert found is None or (found.sgemm and found.dgemm and isinstance(found.ilp64, bool))
+    assert cblas_gemm() is found  # looked up once
