@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..layers.mha import check_param_arrays
+from ..ops import merge_heads
 from .columns import jacobian_to_columns, params_from_columns, to_rows
 from .jvp import (
     _f64,
@@ -190,7 +191,7 @@ def _layer_param_blocks(r, params, wrt: str):
     C = [O_1 … O_H], Q = X_q W^Q + b^Q (likewise K, V).  The attention blocks (J6)-(J8)
     are contracted with W^O first (U_h = V_h W^O_h, Ū_h = O_h W^O_h), then with the inputs;
     query head h reads kv head h // G, so the K and V terms are summed over each group."""
-    a, (xq, xk, xv), c = r.attn, r.sources, r.context
+    a, (xq, xk, xv) = r.attn, r.sources
     B, H, Lq, D = a.q.shape
     G = a.group
     Hkv, Dv = H // G, a.v.shape[3]
@@ -199,7 +200,7 @@ def _layer_param_blocks(r, params, wrt: str):
     wo_h = np.reshape(wo, (H, Dv, E))  # (H, Dv, E): rows of W^O read by head h
     if wrt == "W_o":  # ∂Y_ie/∂W^O_fe' = C_if δ_ee'
         jac = np.zeros((B, Lq, E, H * Dv, E))
-        np.einsum("biefe->bief", jac)[...] = c[:, :, None, :]  # (J9, JD1) the diagonal e = e'
+        np.einsum("biefe->bief", jac)[...] = merge_heads(np, a.out)[:, :, None, :]  # (M3, J9, JD1) e = e'
         return jac
     if wrt == "b_o":  # ∂Y_ie/∂b^O_e' = δ_ee'
         return np.broadcast_to(np.eye(E), (B, Lq, E, E)).copy()
@@ -214,13 +215,10 @@ def _layer_param_blocks(r, params, wrt: str):
     u = a.v @ wo_h  # (JD4) U_h = V_h W^O_h (B, H, Lk, E)
     ubar = a.out @ wo_h  # (JD4) Ū_h = O_h W^O_h (B, H, Lq, E)
     if wrt in ("W_q", "b_q"):
-        t = np.transpose(_q_block(a, u, ubar), (0, 2, 3, 1, 4))  # (J6, JD4) ∂Y_ie/∂Q_h,id (B, Lq, E, H, D)
+        t = _q_block(a, u, ubar).transpose(0, 2, 3, 1, 4).reshape(B, Lq, E, H * D)  # (J6, JD4) ∂Y_ie/∂Q_i,(h,d)
         if wrt == "b_q":
-            return np.reshape(t, (B, Lq, E, H * D))
-        ein = xq.shape[-1]
-        jac = np.empty((B, Lq, E, ein, H, D))
-        np.multiply(t[:, :, :, None], xq[:, :, None, :, None, None], out=jac)  # (JD5) T_ie,hd X_ia
-        return np.reshape(jac, (B, Lq, E, ein, H * D))
+            return t
+        return t[:, :, :, None, :] * xq[:, :, None, :, None]  # (JD5) T_ie,(h,d) X_ia (B, Lq, E, Eq, H*D)
     coeff = _k_coeff(a, u, ubar)  # (J7, JD4) s (P̃ U − W Ū) (B, H, Lq, E, Lk)
     q_g = np.reshape(a.q, (B, Hkv, G, Lq, D))  # h = (hk, g)
     if wrt == "b_k":  # (JD5) Σ_g rowsum_j(coeff) Q_id

@@ -242,26 +242,22 @@ def _db(tb):
 class LayerPrimal(NamedTuple):
     """The primal of one layer call (what the closed-form layer Jacobians read).
 
-    Memory: the attention primal (P is B*H*Lq*Lk) and the context C; the inputs by reference."""
+    Memory: the attention primal (P is B*H*Lq*Lk); the inputs by reference.  The output
+    Y itself is not formed: no closed-form Jacobian reads it."""
 
     sources: tuple  # (X_q, X_k, X_v) primal inputs, (B, L, ·)
     attn: AttnPrimal
-    context: np.ndarray  # C (B, Lq, H*Dv)
-    y: np.ndarray  # (B, Lq, E_out)
 
 
 def _layer_primal(params, srcs, H, Hkv, *, mask, key_lengths, key_mask, causal, scale, variants, who,
                   kind) -> LayerPrimal:
-    """(M1)-(M4) on checked params and inputs: projections, attention per head, output."""
+    """(M1)-(M2) on checked params and inputs: the projections and attention per head."""
     q, k, v = (project(np, x, params[f"W_{n}"], params.get(f"b_{n}"))  # (M1) (B, L, heads*D)
                for x, n in zip(srcs, "qkv", strict=True))
     heads = (split_heads(np, q, H), split_heads(np, k, Hkv), split_heads(np, v, Hkv))  # (M1)
     _, allowed, s, var = attention_structure(*heads, mask=mask, key_lengths=key_lengths, key_mask=key_mask,
                                              causal=causal, scale=scale, variants=variants, who=who, kind=kind)
-    attn = attention_primal(*heads, allowed, s, var)  # (A1)-(A3) per head
-    c = merge_heads(np, attn.out)  # (M3) (B, Lq, H*Dv)
-    y = project(np, c, params["W_o"], params.get("b_o"))  # (M4) (B, Lq, E_out)
-    return LayerPrimal(srcs, attn, c, y)
+    return LayerPrimal(srcs, attention_primal(*heads, allowed, s, var))  # (A1)-(A3) per head
 
 
 def layer_primal(params, query, key=None, value=None, *, num_heads, num_kv_heads=None, mask=None,
@@ -317,10 +313,11 @@ def layer_jvp_parts(params, query, key=None, value=None, *, tangents=None, num_h
     tq, tk, tv = tproj
     attn = attention_tangents(lp.attn, split_heads(np, tq, H), split_heads(np, tk, Hkv),
                               split_heads(np, tv, Hkv))  # (J1)-(J3) per head
-    tc = merge_heads(np, attn.tout)  # (M3) (..., B, Lq, H*Dv)
-    bo = params.get("b_o")
-    ty = project(np, tc, params["W_o"]) + _x_dw(lp.context, tp["W_o"]) + (_db(tp["b_o"]) if bo is not None else 0.0)  # (J5)
-    return LayerJVP(srcs, tsrcs, attn, lp.context, tc, lp.y, ty)
+    c, tc = merge_heads(np, attn.out), merge_heads(np, attn.tout)  # (M3) (..., B, Lq, H*Dv)
+    wo, bo = params["W_o"], params.get("b_o")
+    y = project(np, c, wo, bo)  # (M4) (B, Lq, E_out)
+    ty = project(np, tc, wo) + _x_dw(c, tp["W_o"]) + (_db(tp["b_o"]) if bo is not None else 0.0)  # (J5)
+    return LayerJVP(srcs, tsrcs, attn, c, tc, y, ty)
 
 
 def mha_jvp(params, query, key=None, value=None, *, tangents=None, **kwargs):
