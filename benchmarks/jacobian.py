@@ -2,18 +2,21 @@
 
     OMP_NUM_THREADS=1 python benchmarks/jacobian.py [--repeats 15]
 
-For each size: attention d out/d q (attngrad.jacobian.sdpa_jacobian, built from the
-closed-form JVP (J1)-(J3) along all basis directions at once) and the layer's dY/dW^Q
-(mha_jacobian) against torch.func.jacrev of the same function in plain torch ops,
-float64, one thread.  The two are timed round-robin (A, B, A, B, ...) after a warm-up;
-the table gives medians and the ratio torch / attngrad.  Results are also checked to
-agree (max rel err), so a fast wrong answer cannot pass unnoticed.
+For each size: attention d out/d q (attngrad.jacobian.sdpa_jacobian, the closed form
+(JD1)-(JD2): the nonzero blocks written through a diagonal view, one matrix product for
+all of them) and the layer's dY/dW^Q (mha_jacobian, (JD4)-(JD5)) against
+torch.func.jacrev of the same function in plain torch ops, float64, one thread.  The two
+are timed round-robin (A, B, A, B, ...) after ``--warmup`` untimed rounds; the table gives
+medians and the ratio torch / attngrad, and the header and footer the load average (the
+figures mean little on a loaded machine).  Results are also checked to agree (max rel
+err), so a fast wrong answer cannot pass unnoticed.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 import time
 
@@ -48,13 +51,22 @@ def torch_mha(wq, p, x, lengths, heads):
     return o.transpose(1, 2).reshape(b, l, -1) @ p["W_o"] + p["b_o"]
 
 
+def _load() -> str:
+    """The 1, 5 and 15 minute load averages, or "n/a" where the platform has none."""
+    try:
+        return ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "n/a"
+
+
 def _rel(a, r):
     return float(np.max(np.abs(a - r)) / np.max(np.abs(r)))
 
 
-def _round_robin(fns: dict, repeats: int) -> dict:
-    for f in fns.values():  # warm-up
-        f()
+def _round_robin(fns: dict, repeats: int, warmup: int = 3) -> dict:
+    for _ in range(warmup):  # untimed rounds, round-robin like the timed ones
+        for f in fns.values():
+            f()
     times = {n: [] for n in fns}
     for _ in range(repeats):
         for n, f in fns.items():
@@ -67,10 +79,12 @@ def _round_robin(fns: dict, repeats: int) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--warmup", type=int, default=3, help="untimed round-robin rounds before timing")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     rng = np.random.default_rng(0)
-    print(f"torch {torch.__version__}, numpy {np.__version__}, float64, 1 thread, medians of {args.repeats}")
+    print(f"torch {torch.__version__}, numpy {np.__version__}, float64, 1 thread, medians of {args.repeats}, "
+          f"load average before: {_load()}")
     print(f"{'what':<14} {'B,H,L,D':<12} {'J shape':<26} {'attngrad ms':>12} {'jacrev ms':>10} {'ratio':>7} {'rel err':>9}")
     for b, h, l, d in SIZES:
         q, k, v = (rng.standard_normal((b, h, l, d)) for _ in range(3))
@@ -82,7 +96,7 @@ def main(argv=None) -> int:
             "jacrev": lambda tq=tq, tk=tk, tv=tv, tl=tl: torch.func.jacrev(
                 lambda t: torch_attention(t, tk, tv, tl))(tq),
         }
-        med = _round_robin(fns, args.repeats)
+        med = _round_robin(fns, args.repeats, args.warmup)
         err = _rel(fns["attngrad"](), fns["jacrev"]().numpy())
         shape = "x".join(map(str, (b, h, l, d, b, h, l, d)))
         print(f"{'attn dO/dQ':<14} {f'{b},{h},{l},{d}':<12} {shape:<26} {1e3 * med['attngrad']:>12.3f} "
@@ -98,11 +112,12 @@ def main(argv=None) -> int:
             "jacrev": lambda tp=tp, tx=tx, tl=tl, h=h: torch.func.jacrev(
                 lambda w, tp=tp, tx=tx, tl=tl, h=h: torch_mha(w, tp, tx, tl, h))(tp["W_q"]),
         }
-        med = _round_robin(fns, args.repeats)
+        med = _round_robin(fns, args.repeats, args.warmup)
         err = _rel(fns["attngrad"](), fns["jacrev"]().numpy())
         shape = "x".join(map(str, (b, l, e, e, e)))
         print(f"{'layer dY/dW^Q':<14} {f'{b},{h},{l},{d}':<12} {shape:<26} {1e3 * med['attngrad']:>12.3f} "
               f"{1e3 * med['jacrev']:>10.3f} {med['jacrev'] / med['attngrad']:>6.1f}x {err:>9.1e}")
+    print(f"load average after: {_load()}")
     return 0
 
 
