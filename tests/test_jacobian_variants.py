@@ -405,3 +405,17 @@ def test_mha_jacobian_closed_form_every_parameter_equals_jacrev(names, causal):
         assert got.shape == want.shape, n
         # dY/db_k is 0 in exact arithmetic: measured against the case's scale
         assert float(np.max(np.abs(got - want))) / scale <= REL, n
+
+
+@pytest.mark.parametrize("dims", [(0, 2, 1, 3, 4, 2, 2), (2, 0, 0, 3, 4, 2, 2), (2, 2, 1, 0, 4, 2, 2),
+                                  (2, 2, 1, 3, 0, 2, 2), (2, 2, 2, 3, 4, 0, 2), (2, 2, 2, 3, 4, 2, 0)],
+                         ids=["B=0", "H=0", "Lq=0", "Lk=0", "D=0", "Dv=0"])
+def test_sdpa_jacobian_closed_form_empty_sizes(dims):
+    """(JD1) on empty axes: the shape jacrev would give, equal to the JVP route (all zeros)."""
+    b, h, hkv, lq, lk, d, dv = dims
+    rng = np.random.default_rng(0)
+    q, k, v = rng.standard_normal((b, h, lq, d)), rng.standard_normal((b, hkv, lk, d)), rng.standard_normal((b, hkv, lk, dv))
+    for wrt, arg in zip("qkv", (q, k, v), strict=True):
+        closed = sdpa_jacobian(q, k, v, wrt)
+        assert closed.shape == (b, h, lq, dv, *arg.shape), wrt
+        assert np.array_equal(closed, sdpa_jacobian(q, k, v, wrt, method="jvp")), wrt

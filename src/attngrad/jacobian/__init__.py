@@ -2,7 +2,8 @@
 
 - :func:`sdpa_jvp`, :func:`mha_jvp`: directional derivatives (J1)-(J5);
 - :func:`sdpa_jacobian`, :func:`mha_jacobian`: whole Jacobians (out.shape + arg.shape),
-  built from the JVPs, row or column convention;
+  in closed form (J6)-(J9) as a few array operations (JD1)-(JD5), or from the JVPs
+  (``method="jvp"``; the layer's inputs), row or column convention;
 - :func:`sdpa_hvp`, :func:`mha_hvp`: Hessian-vector products (H1)-(H9) of a scalar loss.
 
 NumPy float64 throughout: these are references for checking, for small sizes.

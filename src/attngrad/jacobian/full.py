@@ -1,10 +1,18 @@
-"""Full Jacobians as arrays, from the closed-form JVPs (J1)-(J5).
+"""Full Jacobians as arrays, in the layout of ``torch.func.jacrev``: ``out.shape + A.shape``.
 
-The Jacobian of out w.r.t. an argument A is the JVP along every basis direction of A at
-once: the identity, reshaped to (n, *A.shape), is passed as a batch of tangents, and the
-closed-form JVP broadcasts over that leading axis.  The result has the layout of
-``torch.func.jacrev``/``jacfwd``: ``out.shape + A.shape``.  Directions are processed in
-chunks so that memory stays bounded (``chunk`` directions at a time).
+``method="closed"`` (the default): the closed form (J6)-(J9) as a few array operations
+(JD1)-(JD5).  The Jacobian is a zero array whose nonzero blocks are written in place
+through one diagonal view; each block is one matrix product (or one broadcast product)
+over every output/input index pair at once; the layer folds W^O into V first (JD4).  Inputs
+are validated once, at the front door (``attention_structure`` / ``layer_primal``); the
+primal is formed once (``attention_primal``); nothing is cached, so no returned array is
+shared with anything.
+
+``method="jvp"`` (and the layer's Jacobians w.r.t. its inputs, which the closed form does
+not cover): the JVP (J1)-(J5) along every basis direction of A at once: the identity,
+reshaped to (n, *A.shape), is passed as a batch of tangents, and the closed-form JVP
+broadcasts over that leading axis.  Directions are processed in chunks so that memory
+stays bounded (``chunk`` directions at a time).
 """
 
 from __future__ import annotations
@@ -56,7 +64,8 @@ def sdpa_jacobian(q, k, v, wrt: str = "q", *, method: str = "closed", chunk: int
     """d out / d wrt for attention, shape out.shape + wrt.shape (out is (B, H, Lq, Dv)).
 
     ``method="closed"`` (default) writes the nonzero blocks of the Jacobian directly
-    (J6)-(J8); ``method="jvp"`` pushes every basis direction through the JVP (J1)-(J3).
+    (J6)-(J8), as (JD1)-(JD3); ``method="jvp"`` pushes every basis direction through the
+    JVP (J1)-(J3).
     Variant keywords as sdpa_jvp (soft-cap and dropout enter (J6)-(J8) as their docstrings
     say); scale_grad is refused."""
     _check_choice("wrt", wrt, SDPA_ARGS)
@@ -93,7 +102,7 @@ def _kept(r, a):
 
 def _q_block(r, vals, outs):
     """(J6) as (JD2), without δ_ii': (B, H, Lq, F, D) for values ``vals`` (B, H, Lk, F) and
-    their mix ``outs`` = P̃ vals (B, H, Lq, F): (V, O) for attention, (U, Ū) of (JD4) for
+    their mix ``outs`` = (P ∘ Z/(1 − p)) vals (B, H, Lq, F): (V, O) for attention, (U, Ū) of (JD4) for
     the layer.  One matrix product over j for every (f, d) pair at once."""
     w = _logit_weight(r)  # (B, H, Lq, Lk)
     k = r.k  # (B, H, Lk, D)
@@ -152,7 +161,8 @@ def mha_jacobian(params, query, key=None, value=None, *, wrt: str = "query", con
     mha_forward.  ``convention="column"``: inputs (B, E, L) and outputs (B, E_out, Lq)
     with tokens as columns, weights (out, in) with Q = W^Q X + b^Q 1ᵀ; the Jacobian is
     returned in that convention too.  ``method="closed"`` (default) writes the Jacobian
-    w.r.t. a parameter directly (J9); inputs, and ``method="jvp"``, use the JVPs.  Variant
+    w.r.t. a parameter directly (J9), as (JD4)-(JD5); inputs, and ``method="jvp"``, use the
+    JVPs.  Variant
     keywords as mha_jvp.
     """
     _check_choice("method", method, ("closed", "jvp"))
