@@ -63,8 +63,16 @@ def lr_at(step: int, total: int, cfg: AdamWConfig) -> float:
 
 
 def global_norm(grads) -> float:
-    """sqrt of the sum of squares of every gradient entry (computed in float64)."""
-    return math.sqrt(sum(float(np.sum(np.square(g, dtype=np.float64))) for g in grads.values()))
+    """sqrt of the sum of squares of every gradient entry (computed in float64).
+
+    NumPy gradients: one float64 vector of every entry, one dot product (einsum: no BLAS
+    threads, the same bits whatever the thread count) instead of a reduction per array.
+    """
+    vals = list(grads.values())
+    if vals and all(isinstance(g, np.ndarray) for g in vals):
+        flat = np.concatenate([g.reshape(-1) for g in vals], dtype=np.float64)  # (n,)
+        return math.sqrt(float(np.einsum("i,i->", flat, flat)))
+    return math.sqrt(sum(float(np.sum(np.square(g, dtype=np.float64))) for g in vals))
 
 
 def clip_by_global_norm(grads, max_norm: float) -> tuple[dict, float]:
