@@ -207,7 +207,7 @@ def _layer_param_blocks(r, params, wrt: str):
     Hkv, Dv = H // G, a.v.shape[3]
     wo = params["W_o"]
     E = wo.shape[1]
-    wo_h = np.reshape(wo, (H, Dv, E))  # (H, Dv, E): rows of W^O read by head h
+    wo_h = wo.reshape(H, Dv, E)  # (H, Dv, E): rows of W^O read by head h
     if wrt == "W_o":  # ∂Y_ie/∂W^O_fe' = C_if δ_ee'
         jac = np.zeros((B, Lq, E, H * Dv, E))
         np.einsum("biefe->bief", jac)[...] = merge_heads(np, a.out)[:, :, None, :]  # (M3, J9, JD1) e = e'
