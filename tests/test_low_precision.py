@@ -128,6 +128,17 @@ def test_float32_compiled_tile_loops_within_twice_plain_torch(shape, variant):
 
 
 @pytest.mark.parametrize("impl", ["dense", "tiled"])
+@pytest.mark.parametrize("seed", [3, 5, 9, 10, 13])
+def test_float32_alibi_slopes_of_rows_far_from_their_keys(seed, impl):
+    """Lq >> Lk, bottom-right: most query positions lie ~90 before every key, so dL/dslope
+    sums dS times distances of ~90 whose row sums are 0 in exact arithmetic; summed against
+    the recentred distances (V8) the float32 rounding of those sums is not multiplied by
+    90 (these seeds failed the rule by up to 3.2x before)."""
+    x, dout, kw, ref = _case(SHAPES["Lq>>Lk"], None, "alibi", seed=seed)
+    _check(x, dout, kw, ref, impl, f"alibi far rows seed {seed} {impl}")
+
+
+@pytest.mark.parametrize("impl", ["dense", "tiled"])
 @pytest.mark.parametrize("how", ["causal_top_left", "key_lengths", "mask", "window"])
 def test_rows_with_one_key_have_exactly_zero_gradient(how, impl):
     """A softmax over one entry is constant: dQ of that row, and its share of dK, is 0."""

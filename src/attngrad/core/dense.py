@@ -17,7 +17,7 @@ import numpy as np
 from . import fused
 from ._xp import Array
 from .dropout import keep_heads
-from .logits import alibi_distance, form_logits, softcap_backward
+from .logits import alibi_grad_distance, form_logits, softcap_backward
 from .parallel import exp_inplace
 from .problem import Problem, SDPAShape, problem_views
 
@@ -207,7 +207,8 @@ def dense_backward(xp, do, cache: SDPACache) -> dict:
     if prob.bias is not None:  # (A10)
         grads["bias"] = reduce_to_shape(xp, xp.reshape(ds, (B, H, Lq, Lk)), prob.bias_shape)
     if prob.alibi is not None:  # (V4) dslope_h = -sum_ij dS_ij |pos(i) - j|
-        dist = alibi_distance(xp, ds.dtype, 0, Lq, 0, Lk, prob.spec.offset)  # (Lq, Lk)
+        dist = alibi_grad_distance(xp, ds.dtype, 0, Lq, 0, Lk, prob.spec.offset, Lk,
+                                   prob.sinks is not None)  # (Lq, Lk) (V8)
         per = -xp.sum(xp.astype(xp.reshape(ds, (B, H, Lq, Lk)) * dist, xp.float64), axis=(2, 3))  # (B, H)
         grads["alibi_slopes"] = _reduce_heads(xp, per, prob.alibi_shape)
     if prob.sinks is not None:  # (V2) dsink_h = -sum_i P_sink_i delta_i

@@ -37,7 +37,7 @@ from . import fused
 from ._xp import Array
 from .dense import dense_forward, reduce_to_shape
 from .dropout import keep_tile
-from .logits import alibi_distance, form_logits, softcap_backward
+from .logits import alibi_grad_distance, form_logits, softcap_backward
 from .masks import MaskSpec
 from .parallel import check_threads, run_units
 from .problem import Problem, problem_views
@@ -463,7 +463,9 @@ def tile_grads(prob: Problem, hd: Head, q0, q1, k0, k1, tile, p, t, qt_raw, kt, 
     if acc.db is not None:
         _add_bias_grad(acc.db, ds, q0, q1, k0, k1)  # (A10)
     if prob.alibi is not None:  # (V4)
-        acc.per_head[0] -= np.vdot(ds, alibi_distance(np, np.float64, q0, q1, k0, k1, prob.spec.offset))  # float64 sum
+        dist = alibi_grad_distance(np, np.float64, q0, q1, k0, k1, prob.spec.offset,
+                                   prob.shape.lk, prob.sinks is not None)  # (V8)
+        acc.per_head[0] -= np.vdot(ds, dist)  # float64 sum
     ds = softcap_backward(np, ds, t)  # (V1) dS0
     acc.dk[k0:k1] += ds.T @ qt_raw  # (A9) scaled below  (bk, D)
     g = ds @ kt  # (A8) dS0 K  (bq, D)
