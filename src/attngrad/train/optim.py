@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..core import fused
+
 
 @dataclass(frozen=True)
 class AdamWConfig:
@@ -115,15 +117,54 @@ def adamw_step(params, grads, state, *, lr: float, cfg: AdamWConfig) -> tuple[di
     bc2_sqrt = math.sqrt(1.0 - b2**t)
     step_size = lr / bc1
     new_p, new_m, new_v = {}, {}, {}
+    kernel = _kernel()
+    coefs = {}  # (dtype, decayed) -> the kernel's scalars
     for k, p in params.items():
         g = grads[k]
         dt = p.dtype.type
+        m, v = state["m"][k], state["v"][k]
+        if kernel is not None and _same_arrays(p, g, m, v):
+            decayed = bool(cfg.weight_decay) and decays(k, p)
+            key = (p.dtype, decayed)
+            if key not in coefs:
+                decay = 1.0 - lr * cfg.weight_decay if decayed else 1.0
+                coefs[key] = np.array([decay, 1.0 - b1, b2, 1.0 - b2, bc2_sqrt, cfg.eps, step_size],
+                                      dtype=p.dtype)  # each rounded to the dtype once, as dt(...) below
+            out = kernel(p.reshape(-1), g.reshape(-1), m.reshape(-1), v.reshape(-1),
+                         coefs[key])  # (O4)-(O6), the same bits as the lines below
+            new_p[k], new_m[k], new_v[k] = (a.reshape(p.shape) for a in out)
+            continue
         if cfg.weight_decay and decays(k, p):
             p = p * dt(1.0 - lr * cfg.weight_decay)  # (O4)
-        m = state["m"][k]
         m = m + dt(1.0 - b1) * (g - m)  # (O5) lerp, as torch
-        v = state["v"][k] * dt(b2) + dt(1.0 - b2) * (g * g)  # (O5)
+        v = v * dt(b2) + dt(1.0 - b2) * (g * g)  # (O5)
         denom = np.sqrt(v) / dt(bc2_sqrt) + dt(cfg.eps)  # (O6)
         new_p[k] = p - dt(step_size) * (m / denom)  # (O6)
         new_m[k], new_v[k] = m, v
     return new_p, {"t": t, "m": new_m, "v": new_v}
+
+
+def _same_arrays(p, g, m, v) -> bool:
+    """NumPy float32/float64 arrays of one dtype and shape (the compiled update's domain)."""
+    return (all(isinstance(a, np.ndarray) for a in (p, g, m, v))
+            and p.dtype in (np.float32, np.float64)
+            and p.dtype == g.dtype == m.dtype == v.dtype and p.shape == g.shape == m.shape == v.shape)
+
+
+_KERNEL = None  # the compiled update, False when unavailable
+
+
+def _kernel():
+    """:func:`._adamw_kernel.adamw_update` when the fused kernels are enabled (numba
+    importable, ``ATTNGRAD_NO_NUMBA`` unset, as :func:`attngrad.core.fused.enabled`), else None."""
+    global _KERNEL
+    if not fused.enabled():
+        return None
+    if _KERNEL is None:
+        try:
+            from ._adamw_kernel import adamw_update
+        except ImportError:  # pragma: no cover - numba missing
+            _KERNEL = False
+        else:
+            _KERNEL = adamw_update
+    return _KERNEL or None
