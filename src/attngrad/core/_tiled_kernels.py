@@ -196,12 +196,14 @@ def fwd_head(blas, q, k, v, out, lse, scale, bq, bk, lo, hi, softcap, alibi, slo
 
 @_jit
 def bwd_head(blas, q, k, v, do, lse, delta, dq, dk, dv, scale, bq, bk, lo, hi, softcap,
-             alibi, slope, offset, shift_free, s_buf, dp_buf, t_buf):
+             alibi, slope, offset, shift_free, flat, s_buf, dp_buf, t_buf):
     """Backward of one query head (FA2, A4-A9, V1, V4, V7): P recomputed from the lse tile
     by tile.  dv, dk (Lk, Dv | D) of its key/value head are accumulated, dk unscaled (the
     caller multiplies it by the scale once per key/value head, A9); dq (Lq, D) zeros is
-    written, scaled (A8).  ``delta`` (Lq,) float64 (A6).  ``shift_free``: rows with fewer
-    than two keys get dS = 0 (A7).  Returns (dL/dslope (V4), sum(Q * dS0 K) (V7)), float64.
+    written, scaled (A8).  ``delta`` (Lq,) float64 (A6).  ``flat`` (Lq,) bool, or empty
+    for none: rows whose softmax is constant (fewer than two keys in the whole row, which a
+    caller such as ring attention may know better than this block's intervals) get dS = 0
+    (A7).  ``shift_free``: no sinks (V8).  Returns (dL/dslope (V4), sum(Q * dS0 K) (V7)), float64.
     Scratch: s_buf, dp_buf (and t_buf with a soft-cap) (bq*bk,)."""
     Lq, Lk = q.shape[0], k.shape[0]
     dslope = 0.0
@@ -232,7 +234,7 @@ def bwd_head(blas, q, k, v, do, lse, delta, dq, dk, dv, scale, bq, bk, lo, hi, s
             for i in range(nr):
                 gi = r0 + i
                 row, prow = ds[i], p[i]
-                if shift_free and hi[gi] - lo[gi] < 1:  # (A7) a constant softmax: dS = 0
+                if flat.shape[0] and flat[gi]:  # (A7) a constant softmax: dS = 0
                     for j in range(nc):
                         row[j] = narrow(row[j], 0.0)
                     continue

@@ -321,6 +321,9 @@ def _flat_rows(prob: Problem, loops: Loops):
     return flat if flat.any() else None
 
 
+_NO_ROWS = np.zeros(0, dtype=bool)  # no constant-softmax rows
+
+
 def _head_args(prob: Problem, hd: Head):
     """The per-head variant arguments of the compiled loops (V1, V4)."""
     softcap = 0.0 if prob.softcap is None else prob.softcap
@@ -537,10 +540,11 @@ def tiled_backward(dout, cache: TiledCache) -> dict:
             scratch[worker] = worker_scratch(cdt, n, n, n if prob.softcap is not None else 0)
         hd = _head(prob, b, h)
         lo, hi = _interval(loops, b)
+        flat = _NO_ROWS if cache.flat is None else np.ascontiguousarray(_index(cache.flat, b, h))  # (Lq,)
         per_head[b, h, :2] = loops.bwd(
             loops.blas, np.ascontiguousarray(q[b, h]), kh, vh, do_all[b, h], cache.lse[b, h],
             delta_all[b, h], dq[b, h], dk[b, hk], dv[b, hk], prob.scale, bq, bk, lo, hi,
-            *_head_args(prob, hd), prob.shift_free, *scratch[worker])  # dq scaled (A8)
+            *_head_args(prob, hd), prob.shift_free, flat, *scratch[worker])  # dq scaled (A8)
         if prob.sinks is not None:
             _sink_grad(per_head, b, h, hd.sink, cache.lse[b, h], delta_all[b, h])
 
