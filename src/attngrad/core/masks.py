@@ -292,7 +292,7 @@ def _keys_from_lengths(xp, key_lengths, batch: int, lk: int):
         raise ValueError(
             f"key_lengths must have shape (B,) = ({batch},); got {tuple(key_lengths.shape)}"
         )
-    if batch and (bool(xp.any(key_lengths < 0)) or bool(xp.any(key_lengths > lk))):
+    if batch and (bool((key_lengths < 0).any()) or bool((key_lengths > lk).any())):
         raise ValueError(
             f"key_lengths must lie in [0, Lk] = [0, {lk}]; got {key_lengths.tolist()}"
         )
