@@ -73,7 +73,7 @@ def bias_grad(xp, dy: Array) -> Array:
     n_out = dy.shape[-1]
     dy2 = xp.reshape(dy, (-1, n_out))  # (N, out)
     if isinstance(dy2, np.ndarray):  # float64 sum; einsum: less overhead than the ufunc reduce
-        return np.einsum("ij->j", dy2.astype(np.float64, copy=False)).astype(dy.dtype)  # (F2) (out,)
+        return np.einsum("ij->j", dy2, dtype=np.float64).astype(dy.dtype)  # (F2) (out,) no float64 copy of dY
     return xp.astype(xp.sum(dy2, axis=0, dtype=xp.float64), dy.dtype)  # (F2) (out,)
 
 
