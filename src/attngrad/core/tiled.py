@@ -42,8 +42,14 @@ from .masks import MaskSpec
 from .parallel import check_threads, run_units
 from .problem import Problem, problem_views
 
-DEFAULT_BLOCK_Q = 128
-DEFAULT_BLOCK_K = 256
+# Default tiles (measured on 2 cores, float32, D=64, fwd + bwd against torch SDPA, one run,
+# round-robin; docs/performance.md): 256 x 512 without a causal rule or window (N=1024:
+# 1.14x vs 1.28x at 128 x 256; N=4096: 1.01x vs 1.09x), 128 x 512 with one (N=1024: 0.92x
+# vs 0.98x; N=2048: 0.89x vs 0.94x): taller query tiles amortise the products' packing,
+# shorter ones waste less on the diagonal.
+DEFAULT_BLOCK_Q = 256
+DEFAULT_BLOCK_Q_SKIPPING = 128
+DEFAULT_BLOCK_K = 512
 # impl="auto" picks the tiled path for NumPy inputs when B*H*Lq*Lk reaches this many entries:
 # P would take 64 MB in float32.  Below it the dense path is as fast or faster (measured with
 # `attngrad bench`: dense 1.6x, tiled 2.0x SDPA's time at B=1 H=8 N=1024, non-causal); above
@@ -55,8 +61,8 @@ _BIAS_SLOTS = 4
 
 
 class Tiling(NamedTuple):
-    block_q: int  # query rows per tile
-    block_k: int  # keys per tile
+    block_q: int | None  # query rows per tile (None: the default for the problem)
+    block_k: int | None  # keys per tile
     threads: int  # cores to use (Python workers x BLAS threads <= threads)
     fused: bool = False  # elementwise tile work in the compiled kernels of :mod:`.fused`
 
@@ -91,20 +97,31 @@ class TiledCache(NamedTuple):
 
 
 def make_tiling(block_q=None, block_k=None, threads=None) -> Tiling:
-    """Validated tile sizes and thread count (None = defaults / every core); the fused
-    kernels whenever :func:`attngrad.core.fused.enabled` (numba installed and
-    ``ATTNGRAD_NO_NUMBA`` unset), else the NumPy code."""
-    sizes = {"block_q": (block_q, DEFAULT_BLOCK_Q), "block_k": (block_k, DEFAULT_BLOCK_K)}
+    """Validated tile sizes and thread count (None = the problem's default tiles, see
+    :func:`resolve_tiles` / every core); the fused kernels whenever
+    :func:`attngrad.core.fused.enabled` (numba installed and ``ATTNGRAD_NO_NUMBA`` unset),
+    else the NumPy code."""
     out = []
-    for name, (value, default) in sizes.items():
+    for name, value in (("block_q", block_q), ("block_k", block_k)):
         if value is None:
-            value = default
+            out.append(None)
+            continue
         if isinstance(value, bool) or not isinstance(value, int | np.integer):
             raise TypeError(f"{name} must be a positive integer; got {type(value).__name__}")
         if value < 1:
             raise ValueError(f"{name} must be >= 1; got {value}")
         out.append(int(value))
     return Tiling(out[0], out[1], check_threads(threads), fused.enabled())
+
+
+def resolve_tiles(tiling: Tiling, prob: Problem) -> Tiling:
+    """``tiling`` with the defaults filled in for ``prob``: DEFAULT_BLOCK_Q rows, or
+    DEFAULT_BLOCK_Q_SKIPPING under a causal rule or window (less waste on the tiles the
+    diagonal cuts), and DEFAULT_BLOCK_K keys."""
+    spec = prob.spec
+    skipping = spec.causal is not None or spec.window is not None
+    bq = tiling.block_q or (DEFAULT_BLOCK_Q_SKIPPING if skipping else DEFAULT_BLOCK_Q)
+    return tiling._replace(block_q=bq, block_k=tiling.block_k or DEFAULT_BLOCK_K)
 
 
 # With a causal or window rule the tiled path skips whole tiles and the dense path computes
@@ -138,7 +155,7 @@ def choose_impl(xp, prob) -> str:
     if not isinstance(prob, Problem):
         return "dense"
     spec = prob.spec
-    skips = (spec.causal is not None or spec.window is not None) and sh.lq > DEFAULT_BLOCK_Q
+    skips = (spec.causal is not None or spec.window is not None) and sh.lq > DEFAULT_BLOCK_Q_SKIPPING
     big = entries >= AUTO_COMPILED_MIN_ENTRIES or (skips and entries >= AUTO_COMPILED_SKIP_MIN_ENTRIES)
     if big and fused.enabled() and fused.tile_loops() is not None and covered(prob):  # sizes first:
         return "tiled"  # covered() looks at every batch row's key lengths
@@ -333,6 +350,7 @@ def _head_args(prob: Problem, hd: Head):
 
 def tiled_forward(q, k, v, prob: Problem, tiling: Tiling):
     """Tiled forward on validated NumPy inputs (compute dtype).  Returns ``(out, cache)``."""
+    tiling = resolve_tiles(tiling, prob)
     sh = prob.shape
     B, H, _, Lq, Lk, _, Dv = sh
     G = sh.group
