@@ -42,11 +42,11 @@ from .masks import MaskSpec
 from .parallel import check_threads, run_units
 from .problem import Problem, problem_views
 
-# Default tiles (measured on 2 cores, float32, D=64, fwd + bwd against torch SDPA, one run,
-# round-robin; docs/performance.md): 256 x 512 without a causal rule or window (N=1024:
-# 1.14x vs 1.28x at 128 x 256; N=4096: 1.01x vs 1.09x), 128 x 512 with one (N=1024: 0.92x
-# vs 0.98x; N=2048: 0.89x vs 0.94x): taller query tiles amortise the products' packing,
-# shorter ones waste less on the diagonal.
+# Default tiles (2 cores, float32, D=64, fwd + bwd against torch SDPA, round-robin,
+# `python benchmarks/tiles.py`; docs/performance.md): 256 x 512 without a causal rule or
+# window (N=4096: 1.01x vs 1.09x at 128 x 256; N=1024: within the noise), 128 x 512 with
+# one (N=1024: 0.92x vs 0.98x; N=2048: 0.89x vs 0.94x): 512-key tiles halve the calls per
+# row, short query tiles waste less where the diagonal cuts a tile.
 DEFAULT_BLOCK_Q = 256
 DEFAULT_BLOCK_Q_SKIPPING = 128
 DEFAULT_BLOCK_K = 512
