@@ -364,3 +364,19 @@ def test_cblas_lookup_finds_numpys_blas_or_says_none():
     found = cblas_gemm()
     assert found is None or (found.sgemm and found.dgemm and isinstance(found.ilp64, bool))
     assert cblas_gemm() is found  # looked up once
+
+
+@needs_numba
+def test_compiled_loops_bitwise_identical_across_calls_and_thread_counts(monkeypatch):
+    from attngrad.core.tiled import compiled_loops
+
+    x, opts = _case(8, (2, 4, 2, 45, 39, 8, 6), "compiled all")
+    _, cache = ag.sdpa_forward(x["q"], x["k"], x["v"], impl="tiled", **opts)
+    assert compiled_loops(cache.problem, cache.tiling) is not None or fused.tile_loops() is None
+    first = None
+    for threads in (1, 2, 3, 2, 1, 3):
+        got = _run(x, opts, np.float32, True, monkeypatch, block_q=8, block_k=16, threads=threads)
+        if first is None:
+            first = got
+        for n, a in got.items():
+            assert a.tobytes() == first[n].tobytes(), f"{n} differs with threads={threads}"
