@@ -140,3 +140,24 @@ def test_mha_takes_torch_tensors(cross, dtype):
     y_np, cache_np = mha_forward(np_params, cast(x), cast(mem), **kwargs)
     dinputs_np, dparams_np = mha_backward(cast(dy), cache_np)
     _assert_same_numbers({"y": y, **dinputs, **dparams}, {"y": y_np, **dinputs_np, **dparams_np})
+
+
+@pytest.mark.parametrize("variant", [
+    {"alibi_slopes": "h", "causal": "top_left"},
+    {"alibi_slopes": "h"},  # rows far from the keys: the recentred distances (V8)
+    {"alibi_slopes": "h", "sinks": "h", "softcap": 2.0, "scale_grad": True},
+])
+def test_torch_tensors_take_every_variant(variant):
+    """Torch tensors through the dense path with ALiBi, sinks, soft-cap and the scale
+    gradient: the same numbers as NumPy inputs, torch tensors out."""
+    rng = np.random.default_rng(21)
+    x = attention_inputs(rng, 2, 2, 2, 11, 6, 4, 3)
+    opts = {n: (rng.uniform(0.05, 0.4, 2) if v == "h" else v) for n, v in variant.items()}
+    want_out, want = _run(x, impl="dense", **opts)
+    tx = {n: torch.as_tensor(a) for n, a in x.items()}
+    topts = {n: (torch.as_tensor(v) if isinstance(v, np.ndarray) else v) for n, v in opts.items()}
+    out, got = _run(tx, impl="dense", **topts)
+    assert torch.is_tensor(out) and all(torch.is_tensor(g) for g in got.values())
+    assert set(got) == set(want)
+    assert_close_rel({"out": out.numpy(), **{n: g.numpy() for n, g in got.items()}},
+                     {"out": want_out, **want}, what=f"torch {variant}: ")

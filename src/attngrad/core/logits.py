@@ -29,11 +29,12 @@ def alibi_grad_distance(xp, dtype, q0: int, q1: int, k0: int, k1: int, offset: i
     distance from pos(i) to the keys [0, Lk - 1], for rows without a sink (their dS sums to
     0, so the shift changes nothing in exact arithmetic and keeps a row far from its keys
     from multiplying the rounding of that zero sum by ~|pos(i)|); with sinks, (V4) as is."""
-    dist = alibi_distance(xp, np.float64, q0, q1, k0, k1, offset)  # (lq_tile, lk_tile)
+    dist = alibi_distance(xp, xp.float64, q0, q1, k0, k1, offset)  # (lq_tile, lk_tile)
     if not sinks:
         pos = xp.arange(q0, q1)[:, None] + offset  # (lq_tile, 1)
-        c = xp.maximum(xp.maximum(-pos, pos - (lk - 1)), 0)  # (lq_tile, 1) (V8)
-        dist = dist - xp.astype(c, np.float64)
+        zero = xp.zeros((), dtype=pos.dtype)
+        c = xp.maximum(xp.maximum(-pos, pos - (lk - 1)), zero)  # (lq_tile, 1) (V8)
+        dist = dist - xp.astype(c, xp.float64)
     return xp.astype(dist, dtype)
 
 
