@@ -147,11 +147,21 @@ def test_dense_row_kernels_do_not_depend_on_the_row_split(rows, monkeypatch):
 
 
 @needs_numba
-@pytest.mark.parametrize("use_fused", [True, False])
-def test_bitwise_identical_across_calls_and_thread_counts(use_fused, monkeypatch):
-    x, opts = _case(7, (2, 4, 2, 33, 41, 8, 6), "bias+scale_grad")
-    opts.update(sinks=np.linspace(-1, 1, 4), alibi_slopes=np.linspace(0.05, 0.2, 4),
-                softcap=3.0, dropout_p=0.1, dropout_seed=4)
+@pytest.mark.parametrize(("variant", "use_fused"),
+                         [("bias+scale_grad", True), ("bias+scale_grad", False), ("compiled all", True)])
+def test_bitwise_identical_across_calls_and_thread_counts(variant, use_fused, monkeypatch):
+    """Every reduction in a fixed order: the NumPy tile loop with and without the per-tile
+    kernels (bias, dropout and every variant), and the compiled tile loops."""
+    from attngrad.core.tiled import compiled_loops
+
+    if variant == "compiled all":
+        x, opts = _case(8, (2, 4, 2, 45, 39, 8, 6), variant)
+        _, cache = ag.sdpa_forward(x["q"], x["k"], x["v"], impl="tiled", **opts)
+        assert compiled_loops(cache.problem, cache.tiling) is not None or fused.tile_loops() is None
+    else:
+        x, opts = _case(7, (2, 4, 2, 33, 41, 8, 6), variant)
+        opts.update(sinks=np.linspace(-1, 1, 4), alibi_slopes=np.linspace(0.05, 0.2, 4),
+                    softcap=3.0, dropout_p=0.1, dropout_seed=4)
     first = None
     for threads in (1, 2, 3, 2, 1, 3):
         got = _run(x, opts, np.float32, use_fused, monkeypatch, block_q=8, block_k=16, threads=threads)
@@ -364,19 +374,3 @@ def test_cblas_lookup_finds_numpys_blas_or_says_none():
     found = cblas_gemm()
     assert found is None or (found.sgemm and found.dgemm and isinstance(found.ilp64, bool))
     assert cblas_gemm() is found  # looked up once
-
-
-@needs_numba
-def test_compiled_loops_bitwise_identical_across_calls_and_thread_counts(monkeypatch):
-    from attngrad.core.tiled import compiled_loops
-
-    x, opts = _case(8, (2, 4, 2, 45, 39, 8, 6), "compiled all")
-    _, cache = ag.sdpa_forward(x["q"], x["k"], x["v"], impl="tiled", **opts)
-    assert compiled_loops(cache.problem, cache.tiling) is not None or fused.tile_loops() is None
-    first = None
-    for threads in (1, 2, 3, 2, 1, 3):
-        got = _run(x, opts, np.float32, True, monkeypatch, block_q=8, block_k=16, threads=threads)
-        if first is None:
-            first = got
-        for n, a in got.items():
-            assert a.tobytes() == first[n].tobytes(), f"{n} differs with threads={threads}"

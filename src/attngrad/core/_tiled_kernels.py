@@ -63,10 +63,9 @@ def gemm(blas, a, ta, b, tb, c, alpha, beta):
     if m == 0 or n == 0:
         return
     sz = c.itemsize
-    lda, ldb, ldc = max(a.strides[0] // sz, 1), max(b.strides[0] // sz, 1), max(c.strides[0] // sz, 1)
-    lda = max(lda, a.shape[1])
-    ldb = max(ldb, b.shape[1])
-    ldc = max(ldc, n)
+    lda = max(a.strides[0] // sz, a.shape[1], 1)  # a row stride, at least the row length
+    ldb = max(b.strides[0] // sz, b.shape[1], 1)
+    ldc = max(c.strides[0] // sz, n, 1)
     t_a = _TRANS if ta else _NO_TRANS
     t_b = _TRANS if tb else _NO_TRANS
     pa, pb, pc = a.ctypes.data, b.ctypes.data, c.ctypes.data

@@ -158,7 +158,7 @@ def choose_impl(xp, prob) -> str:
     spec = prob.spec
     skips = (spec.causal is not None or spec.window is not None) and sh.lq > DEFAULT_BLOCK_Q_SKIPPING
     big = entries >= AUTO_COMPILED_MIN_ENTRIES or (skips and entries >= AUTO_COMPILED_SKIP_MIN_ENTRIES)
-    if big and fused.enabled() and fused.tile_loops() is not None and covered(prob):  # sizes first:
+    if big and fused.tile_loops() is not None and covered(prob):  # sizes first:
         return "tiled"  # covered() looks at every batch row's key lengths
     if skips and entries >= AUTO_TILED_SKIP_MIN_ENTRIES:
         return "tiled"
@@ -307,19 +307,23 @@ def _intervals(prob: Problem):
     return None if any(iv is None for iv in intervals) else intervals
 
 
+def _covered_intervals(prob: Problem):
+    """The key intervals (:func:`_intervals`) when the compiled tile loops take ``prob``:
+    no additive bias, no dropout, one key interval per query row; else None."""
+    return None if prob.bias is not None or prob.dropout else _intervals(prob)
+
+
 def covered(prob: Problem) -> bool:
-    """Whether the compiled tile loops take ``prob``: no additive bias, no dropout, and a
-    mask rule of one key interval per query row (causal, windows, key lengths)."""
-    return prob.bias is None and not prob.dropout and _intervals(prob) is not None
+    """Whether the compiled tile loops take ``prob`` (causal, windows, key lengths; no bias,
+    no dropout)."""
+    return _covered_intervals(prob) is not None
 
 
 def compiled_loops(prob: Problem, tiling: Tiling) -> Loops | None:
     """The compiled loops when they cover ``prob`` (:func:`covered`), the fused kernels are
     on and NumPy's CBLAS is found; else None (the NumPy tile loop below)."""
-    if not tiling.fused or prob.bias is not None or prob.dropout:
-        return None
-    found = fused.tile_loops()
-    intervals = None if found is None else _intervals(prob)
+    found = fused.tile_loops() if tiling.fused else None
+    intervals = None if found is None else _covered_intervals(prob)
     return None if intervals is None else Loops(*found, intervals)
 
 
