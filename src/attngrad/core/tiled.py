@@ -132,11 +132,11 @@ AUTO_TILED_SKIP_MIN_ENTRIES = 1 << 21
 # Where the compiled tile loops cover the problem (:func:`compiled_loops`), the tiled path
 # is faster than the dense one from these sizes on (fwd + bwd, float32, 2 cores, D=64;
 # `python benchmarks/auto_switch.py`, docs/performance.md: tiled/dense 0.95 at 2^23 logits
-# without a mask, 0.93 and 1.27 at 2^21; causal 0.84 at 2^20, 0.57-0.65 at 2^21).  Without a causal or window rule
-# the switch sits at 2^22, not lower: inside the multi-head layer the projections' BLAS
-# threads still spin when the attention starts, which costs the tiled path's own workers
-# more than the dense path's BLAS calls (layer B=4 N=256 E=512 H=8, 2^21 logits: dense
-# 1.01x, tiled 1.27x torch.nn.MultiheadAttention).
+# without a mask, 0.93 and 1.27 at 2^21; causal 0.84 at 2^20, 0.57-0.65 at 2^21).
+# Without a causal or window rule the switch sits at 2^22, not lower: inside the
+# multi-head layer the projections' BLAS threads still spin when the attention starts,
+# which costs the tiled path's own workers more than the dense path's BLAS calls (layer
+# B=4 N=256 E=512 H=8, 2^21 logits: dense 1.01x, tiled 1.27x torch.nn.MultiheadAttention).
 AUTO_COMPILED_MIN_ENTRIES = 1 << 22
 AUTO_COMPILED_SKIP_MIN_ENTRIES = 1 << 19
 
@@ -443,8 +443,9 @@ def tiled_forward(q, k, v, prob: Problem, tiling: Tiling):
 
 
 def preprocess_delta(do, out):
-    """(A6) delta = rowsum(dO * O): (Lq,)."""
-    return np.einsum("ij,ij->i", do, out)
+    """(A6) delta = rowsum(dO * O): (..., Lq) for dO, O (..., Lq, Dv); float64 when O is
+    (the float32 path keeps O in float64)."""
+    return np.einsum("...ij,...ij->...i", do, out)
 
 
 def tile_probs(prob: Problem, hd: Head, q0, q1, k0, k1, tile, qt, kt, lse, buf, kern=None):
@@ -553,8 +554,8 @@ def tiled_backward(dout, cache: TiledCache) -> dict:
     kern = fused.kernels() if cache.tiling.fused else None
     loops = compiled_loops(prob, cache.tiling)
 
-    if loops is not None:  # (A6) every head's delta in one pass: (B, H, Lq) float64
-        delta_all = np.einsum("bhid,bhid->bhi", do_all, cache.out, dtype=np.float64)
+    if loops is not None:  # (A6) every head's delta in one pass: (B, H, Lq)
+        delta_all = preprocess_delta(do_all, cache.out)
         do_all = np.ascontiguousarray(do_all)
 
     def head_compiled(b, h, hk, kh, vh, worker) -> None:
