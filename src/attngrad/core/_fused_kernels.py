@@ -121,46 +121,59 @@ def exp_shift_sum(row, sh, zero):
 
 
 @_jit
+def online_row(row, m_i, l_i):
+    """(FA3) on one row in place: m' = max(m, max row); row <- e^(row - m'), 0 where masked;
+    returns (m', l e^(m - m') + rowsum, e^(m - m')).  Shared by :func:`online_softmax` and
+    the compiled forward (core/_tiled_kernels.py)."""
+    mx = _rowmax(row, m_i)
+    zero = narrow(mx, 0.0)
+    sh = mx if abs(mx) < np.inf else zero  # rows with nothing allowed yet: shift 0
+    rs = exp_shift_sum(row, sh, zero)  # (FA3) e^(S - m'), and its sum
+    alpha = exp_(m_i - sh)  # e^(m - m'); 0 when m = -inf
+    return mx, l_i * alpha + rs, alpha
+
+
+@_jit
+def exp_row(row, c):
+    """(FA2) row <- e^(row - c), the difference rounded to the row's dtype first; c float64
+    (the lse; +inf gives 0)."""
+    for j in range(row.shape[0]):
+        row[j] = exp_(narrow(row[j], row[j] - c))
+
+
+@_jit
+def dsoftmax_row(row, prow, c):
+    """(A7) row <- prow * (row - c), the difference rounded to the row's dtype first; c the
+    row's delta (float64)."""
+    for j in range(row.shape[0]):
+        row[j] = narrow(row[j], row[j] - c) * prow[j]
+
+
+@_jit
 def online_softmax(s, m, l, acc):
     """(FA3) on one tile, in place: m' = max(m, rowmax S); S <- e^(S - m');
     l <- l e^(m - m') + rowsum; acc <- acc e^(m - m'); m <- m'.
     s (bq, bk), m and l (bq,) in the compute dtype; acc (bq, Dv) any float dtype."""
-    bq = s.shape[0]
-    for i in range(bq):
-        row = s[i]
-        mx = _rowmax(row, m[i])
-        zero = narrow(mx, 0.0)
-        sh = mx if abs(mx) < np.inf else zero  # rows with nothing allowed yet: shift 0
-        rs = exp_shift_sum(row, sh, zero)  # (FA3) e^(S - m'), 0 where masked; its sum
-        alpha = exp_(m[i] - sh)  # e^(m - m'); 0 when m = -inf
-        l[i] = l[i] * alpha + rs
+    for i in range(s.shape[0]):
+        m[i], l[i], alpha = online_row(s[i], m[i], l[i])
         for d in range(acc.shape[1]):
             acc[i, d] *= alpha
-        m[i] = mx
 
 
 @_jit
 def tile_exp(s, lse):
     """(FA2) S <- e^(S - lse_i) in place, S - lse rounded to S's dtype first; lse (bq,)
     float64 (+inf for empty rows: P = 0)."""
-    bq, bk = s.shape
-    for i in range(bq):
-        c = lse[i]
-        row = s[i]
-        for j in range(bk):
-            row[j] = exp_(narrow(row[j], row[j] - c))
+    for i in range(s.shape[0]):
+        exp_row(s[i], lse[i])
 
 
 @_jit
 def tile_dsoftmax(dp, p, delta):
     """(A7) dP <- P * (dP - delta_i) in place, the difference rounded to dP's dtype first;
     delta (bq,) float64."""
-    bq, bk = dp.shape
-    for i in range(bq):
-        c = delta[i]
-        row, prow = dp[i], p[i]
-        for j in range(bk):
-            row[j] = narrow(row[j], row[j] - c) * prow[j]
+    for i in range(dp.shape[0]):
+        dsoftmax_row(dp[i], p[i], delta[i])
 
 
 @_jit

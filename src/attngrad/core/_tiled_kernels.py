@@ -27,7 +27,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from ._fused_kernels import _jit, _rowmax, exp_, exp_shift_sum, narrow
+from ._fused_kernels import _jit, dsoftmax_row, exp_row, narrow, online_row
 
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112  # CBLAS enums
 
@@ -169,13 +169,7 @@ def fwd_head(blas, q, k, v, out, lse, scale, bq, bk, lo, hi, softcap, alibi, slo
                 _logits_row(row, gi, c0, softcap, s_buf[:0], alibi, slope, offset)  # (V1, V4)
                 _mask_row(row, lo[gi] - c0, hi[gi] + 1 - c0, neg)  # (A2)
                 ii = gi - q0
-                mx = _rowmax(row, m[ii])  # (FA3) m'
-                sh = mx if abs(mx) < np.inf else zero  # rows with nothing yet: shift 0
-                rs = exp_shift_sum(row, sh, zero)  # (FA3) e^(S - m'), 0 where masked; sum
-                alpha = exp_(m[ii] - sh)  # e^(m - m'); 0 when m = -inf
-                l[ii] = l[ii] * alpha + rs
-                m[ii] = mx
-                rescale[i] = alpha
+                m[ii], l[ii], rescale[i] = online_row(row, m[ii], l[ii])  # (FA3)
             pv = pv_buf[: nr * Dv].reshape((nr, Dv))
             gemm(blas, s, False, v[c0:c1], False, pv, 1.0, 0.0)  # (A3) e^(S - m') V
             for i in range(nr):
@@ -223,9 +217,7 @@ def bwd_head(blas, q, k, v, do, lse, delta, dq, dk, dv, scale, bq, bk, lo, hi, s
                 _logits_row(row, gi, c0, softcap, t[i] if softcap > 0.0 else t_buf[:0], alibi, slope, offset)
                 # (FA2) P = e^(S - lse): lse (float64) split into the compute dtype's nearest
                 # value and the remainder, so the subtraction stays in the vector lanes
-                c = lse[gi]
-                for j in range(nc):
-                    row[j] = exp_(narrow(row[j], row[j] - c))
+                exp_row(row, lse[gi])
                 _mask_row(row, lo[gi] - c0, hi[gi] + 1 - c0, narrow(row[0], 0.0))  # (A2)
             gemm(blas, p, True, do[r0:r1], False, dv[c0:c1], 1.0, 1.0)  # (A4) dV += P^T dO
             ds = dp_buf[: nr * nc].reshape((nr, nc))
@@ -237,9 +229,7 @@ def bwd_head(blas, q, k, v, do, lse, delta, dq, dk, dv, scale, bq, bk, lo, hi, s
                     for j in range(nc):
                         row[j] = narrow(row[j], 0.0)
                     continue
-                dl = delta[gi]
-                for j in range(nc):
-                    row[j] = narrow(row[j], row[j] - dl) * prow[j]  # (A7) dS = P (dP - delta)
+                dsoftmax_row(row, prow, delta[gi])  # (A7) dS = P (dP - delta)
                 if alibi:  # (V4, V8) dslope = -sum dS (|pos(i) - j| - c_i), float64
                     pos = gi + offset
                     c = 0 if not shift_free else max(max(-pos, pos - (Lk - 1)), 0)
