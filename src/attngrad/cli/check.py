@@ -42,6 +42,14 @@ def parse_variants(text: str) -> tuple:
     return tuple(v for v in VARIANTS if v in names)
 
 
+def add_formula_variant(p) -> None:
+    """``--variant`` of ``derive`` and ``graph``: the attention core of one head with
+    today's variants instead of a flavor."""
+    p.add_argument("--variant", type=parse_variants, default=None, metavar="NAMES",
+                   help="instead of a flavor: the attention core of one head with today's variants, 'all' "
+                        "or a comma list of sinks,softcap,alibi,window,segments,dropout,scale (V1-V7)")
+
+
 def register(sub) -> None:
     p = sub.add_parser(
         "check",

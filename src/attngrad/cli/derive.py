@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..formulas import FLAVORS, FORMATS, derive_document
 from ..formulas.rope_norm import EXTRA
-from .check import parse_variants
+from .check import add_formula_variant
 
 
 def register(sub) -> None:
@@ -22,9 +22,7 @@ def register(sub) -> None:
     p.add_argument("--flavor", choices=[*FLAVORS, "all", *EXTRA], default=None,
                    help="which flavor (default: all three); rope, qk-norm, qk-norm-layer: the rotation "
                         "and the normalisation applied to each head's queries and keys")
-    p.add_argument("--variant", type=parse_variants, default=None, metavar="NAMES",
-                   help="instead of a flavor: the attention core of one head with today's variants, 'all' "
-                        "or a comma list of sinks,softcap,alibi,window,segments,dropout,scale (V1-V7)")
+    add_formula_variant(p)
     p.add_argument("--format", choices=FORMATS, default="text", dest="fmt",
                    help="text (Unicode), markdown (GitHub $$ maths) or latex (standalone document); default text")
     p.set_defaults(func=run)

@@ -8,7 +8,7 @@ from pathlib import Path
 from ..formulas import FLAVORS, GRAPH_FORMATS, GraphvizError, write_graph
 from ..formulas.rope_norm import EXTRA
 from ..formulas.variants import variant_key
-from .check import parse_variants
+from .check import add_formula_variant
 
 SUFFIXES = {"dot": "dot", "gv": "dot", **{f: f for f in GRAPH_FORMATS}}
 
@@ -44,9 +44,7 @@ def register(sub) -> None:
     p.add_argument("--flavor", choices=[*FLAVORS, "all", *EXTRA], default=None,
                    help="which flavor (default: self); rope, qk-norm, qk-norm-layer: the rotation and "
                         "the normalisation of each head's queries and keys")
-    p.add_argument("--variant", type=parse_variants, default=None, metavar="NAMES",
-                   help="instead of a flavor: the attention core of one head with today's variants, 'all' "
-                        "or a comma list of sinks,softcap,alibi,window,segments,dropout,scale (V1-V7)")
+    add_formula_variant(p)
     p.add_argument("-o", "--output", required=True, metavar="FILE",
                    help=f"output file: {', '.join('.' + s for s in SUFFIXES)} (the suffix sets the format)")
     p.add_argument("--format", choices=GRAPH_FORMATS, default=None, dest="fmt",
