@@ -123,6 +123,17 @@ def resolve_scale(scale, d: int) -> float:
     return check_scale(scale)
 
 
+def check_positive(value, name: str) -> float:
+    """A finite real number > 0 (the soft-cap, RoPE's base, a norm's eps) as a Python
+    float; TypeError/ValueError naming ``name`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
+        raise TypeError(f"{name} must be a real number > 0; got {type(value).__name__}")
+    out = float(value)
+    if not math.isfinite(out) or out <= 0.0:
+        raise ValueError(f"{name} must be finite and > 0; got {out!r}")
+    return out
+
+
 def check_scale(scale, name: str = "scale") -> float:
     """Any finite real number (0 and negative included) as a Python float.
 

@@ -19,6 +19,7 @@ from ._xp import (
     check_array,
     check_broadcast,
     check_float_dtypes,
+    check_positive,
     compute_dtype,
     dtype_name,
     resolve_scale,
@@ -138,11 +139,7 @@ def make_problem(
         bias_shape = check_broadcast("bias", bias, full)
         bias = xp.astype(xp.reshape(bias, (1,) * (4 - len(bias_shape)) + bias_shape), cdt, copy=False)
     if softcap is not None:
-        if isinstance(softcap, bool) or not isinstance(softcap, int | float | np.integer | np.floating):
-            raise TypeError(f"softcap must be a real number > 0 or None; got {type(softcap).__name__}")
-        softcap = float(softcap)
-        if not (math.isfinite(softcap) and softcap > 0.0):
-            raise ValueError(f"softcap must be a finite number > 0; got {softcap!r}")
+        softcap = check_positive(softcap, "softcap")
     if sinks is not None:
         sinks = _per_head(xp, "sinks", sinks, ((sh.heads,),), cdt)
     alibi_shape = None

@@ -18,13 +18,20 @@ cached prefix: queries at Lk - Lq .. Lk - 1, keys at 0 .. Lk - 1).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._xp import Array, check_array, check_float_dtypes, compute_dtype, dtype_name, namespace
+from ._xp import (
+    Array,
+    check_array,
+    check_float_dtypes,
+    check_positive,
+    compute_dtype,
+    dtype_name,
+    namespace,
+)
 
 LAYOUTS = ("half", "interleaved")
 
@@ -75,12 +82,7 @@ def check_rotary_dim(rotary_dim, d: int | None) -> int:
 
 
 def check_base(base) -> float:
-    if isinstance(base, bool) or not isinstance(base, int | float | np.integer | np.floating):
-        raise TypeError(f"base must be a real number; got {type(base).__name__}")
-    value = float(base)
-    if not math.isfinite(value) or value <= 0.0:
-        raise ValueError(f"base must be finite and > 0; got {value!r}")
-    return value
+    return check_positive(base, "base")
 
 
 def check_positions(positions, batch: int, length: int, name: str = "positions") -> np.ndarray:

@@ -17,12 +17,16 @@ float32 and cast back.
 
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple
 
-import numpy as np
-
-from ..core._xp import Array, check_array, check_float_dtypes, compute_dtype, namespace
+from ..core._xp import (
+    Array,
+    check_array,
+    check_float_dtypes,
+    check_positive,
+    compute_dtype,
+    namespace,
+)
 
 NORM_KINDS = ("rms", "layer")
 
@@ -45,12 +49,7 @@ def check_kind(kind, name: str = "kind") -> str:
 
 
 def check_eps(eps, name: str = "eps") -> float:
-    if isinstance(eps, bool) or not isinstance(eps, int | float | np.integer | np.floating):
-        raise TypeError(f"{name} must be a real number; got {type(eps).__name__}")
-    value = float(eps)
-    if not math.isfinite(value) or value <= 0.0:
-        raise ValueError(f"{name} must be finite and > 0; got {value!r}")
-    return value
+    return check_positive(eps, name)
 
 
 def norm_forward(x, w, *, kind: str = "rms", eps: float = 1e-6, x_name="x", w_name="w"):
