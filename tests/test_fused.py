@@ -179,9 +179,10 @@ def test_kernel_exp_is_accurate_and_keeps_inf_and_nan(dtype):
     ref = np.exp(x.astype(np.float64))
     ulps = np.abs(fused.exp(x) - ref) / np.spacing(ref.astype(dtype)).astype(np.float64)
     assert ulps.max() <= 1.0, f"max error {ulps.max():.3f} ulp"
-    special = np.array([-np.inf, -1e4, np.nan, 0.0], dtype=dtype)
+    special = np.array([-np.inf, -1e4, np.nan, 0.0, np.inf, 1e4, -np.nan], dtype=dtype)
     got = fused.exp(special)
     assert got[0] == 0 and got[1] == 0 and np.isnan(got[2]) and got[3] == 1
+    assert got[4] == np.inf and got[5] == np.inf and np.isnan(got[6])
 
 
 @needs_numba

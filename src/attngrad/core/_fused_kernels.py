@@ -19,33 +19,37 @@ from numba.extending import intrinsic, overload
 
 _FM = {"contract", "nsz", "arcp"}
 _LO32, _HI32 = np.float32(-87.3365448), np.float32(88.3762589)
+_ROUNDER = np.float32(12582912.0)  # 1.5 * 2^23: y + it, rounded to float32, holds round(y) in its low bits
+_ROUNDER_BITS = int(_ROUNDER.view(np.int32))
 _jit = numba.njit(fastmath=_FM, nogil=True, cache=True)
 
 
 @intrinsic
-def _pow2_biased(typingctx, t):
-    """2^(t - 126) in float32 for an int32 t = n + 126 (-126 < n < 128): the exponent bits
-    (t + 1) << 23, added and shifted as int32 and reinterpreted, so that LLVM keeps the
-    loop in 8-wide int32 lanes (numba's own int32 arithmetic widens to int64, which AVX2
-    cannot convert back to float in vector registers: the loop ran 2.5x slower)."""
-    sig = types.float32(types.int32)
+def _pow2_of_rounded(typingctx, k):
+    """2^n for a float32 k = 1.5 * 2^23 + n (-127 < n < 128): the bits of k are those of
+    1.5 * 2^23 plus n, so (bits(k) - bits(1.5 * 2^23) + 127) << 23 are the bits of 2^n.
+    A bit cast, added and shifted as int32 in the vector lanes: no float-to-int conversion
+    (numba's int32 arithmetic widens to int64, which AVX2 cannot convert back to float in
+    vector registers, and a conversion of NaN or inf would be poison in LLVM)."""
+    sig = types.float32(types.float32)
 
     def codegen(context, builder, signature, args):
         i32 = ir.IntType(32)
-        bits = builder.shl(builder.add(args[0], ir.Constant(i32, 1)), ir.Constant(i32, 23))
-        return builder.bitcast(bits, ir.FloatType())
+        bits = builder.add(builder.bitcast(args[0], i32), ir.Constant(i32, 127 - _ROUNDER_BITS))
+        return builder.bitcast(builder.shl(bits, ir.Constant(i32, 23)), ir.FloatType())
 
     return sig, codegen
 
 
 @_jit
 def exp32(x):
-    """e^x in float32, < 1 ulp, vectorisable (Cephes expf).  x < -87.34 (and -inf) -> 0."""
-    xc = x if x > _LO32 else _LO32
-    xc = xc if xc < _HI32 else _HI32
-    t = np.int32(xc * np.float32(1.44269504) + np.float32(126.5))  # n + 126, n = round(x/ln2)
-    nf = np.float32(t) - np.float32(126.0)  # exact; no int64 on the way
-    r = xc - nf * np.float32(0.693359375)  # Cody-Waite: ln2 = C1 + C2, C1 exact in 9 bits
+    """e^x in float32, < 1 ulp, vectorisable (Cephes expf's polynomial).  x < -87.34 (and
+    -inf) -> 0; x > 88.37 (and inf) -> inf (float32 overflows at 88.72; the kernels'
+    exponents are <= 0 up to rounding); NaN stays NaN.  No clamps: out-of-range lanes
+    compute garbage that the two final selects replace."""
+    k = x * np.float32(1.44269504) + _ROUNDER  # 1.5 * 2^23 + n, n = round(x / ln2): one FMA rounding
+    nf = k - _ROUNDER  # n, exact
+    r = x - nf * np.float32(0.693359375)  # Cody-Waite: ln2 = C1 + C2, C1 exact in 9 bits
     r = r - nf * np.float32(-2.12194440e-4)
     z = r * r
     p = np.float32(1.9875691500e-4)
@@ -55,9 +59,9 @@ def exp32(x):
     p = p * r + np.float32(1.6666665459e-1)
     p = p * r + np.float32(5.0000001201e-1)
     p = p * z + r + np.float32(1.0)  # e^r
-    y = p * _pow2_biased(t)  # e^r 2^n
-    y = y if x >= _LO32 else np.float32(0.0)  # underflow, and -inf (masked)
-    return y if x == x else x  # NaN stays NaN
+    y = p * _pow2_of_rounded(k)  # e^r 2^n
+    y = np.float32(0.0) if x < _LO32 else y  # underflow, and -inf (masked); NaN falls through
+    return np.float32(np.inf) if x > _HI32 else y
 
 
 def exp_(x):
