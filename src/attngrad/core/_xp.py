@@ -87,7 +87,9 @@ def check_float_dtypes(arrays: dict[str, Array]) -> Any:
             )
         if first is None:
             first_name, first = name, a
-        elif (lib := type(a).__module__.split(".")[0]) != type(first).__module__.split(".")[0]:
+        elif type(a) is not type(first) and (
+            (lib := type(a).__module__.split(".")[0]) != type(first).__module__.split(".")[0]
+        ):
             raise TypeError(
                 f"{name} is a {lib} {type(a).__name__} but {first_name} is a "
                 f"{type(first).__module__.split('.')[0]} {type(first).__name__}; "

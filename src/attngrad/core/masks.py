@@ -292,9 +292,9 @@ def _keys_from_lengths(xp, key_lengths, batch: int, lk: int):
         raise ValueError(
             f"key_lengths must have shape (B,) = ({batch},); got {tuple(key_lengths.shape)}"
         )
-    if batch and (bool((key_lengths < 0).any()) or bool((key_lengths > lk).any())):
-        raise ValueError(
-            f"key_lengths must lie in [0, Lk] = [0, {lk}]; got {key_lengths.tolist()}"
-        )
-    j = xp.arange(lk)[None, :]  # (1, Lk)
-    return j < key_lengths[:, None]  # (B, Lk)
+    # the range as Python ints: B values, cheaper than two array reductions for small B
+    values = key_lengths.tolist()
+    if batch and (min(values) < 0 or max(values) > lk):
+        raise ValueError(f"key_lengths must lie in [0, Lk] = [0, {lk}]; got {values}")
+    j = xp.arange(lk)  # (Lk,)
+    return xp.less(j, key_lengths[:, None])  # (B, Lk)

@@ -123,10 +123,11 @@ def make_problem(
     alibi_slopes, window, q_segment_ids, kv_segment_ids, dropout_p, dropout_seed, scale_grad,
 ) -> Problem:
     """Validate every option of :func:`attngrad.sdpa_forward`; returns the :class:`Problem`."""
-    sh = validate_qkv(q, k, v)
+    sh = validate_qkv(q, k, v)  # q, k, v: one floating dtype
+    dtype = q.dtype
     if bias is not None:
         check_array("bias", bias)
-    dtype = check_float_dtypes({"q": q, "k": k, "v": v, "bias": bias})  # names a mixed-up argument
+        check_float_dtypes({"q": q, "k": k, "v": v, "bias": bias})  # names a mixed-up argument
     scale = resolve_scale(scale, sh.d)
     full = (sh.batch, sh.heads, sh.lq, sh.lk)
     spec = make_mask_spec(

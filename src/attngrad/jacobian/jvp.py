@@ -118,6 +118,14 @@ class AttnPrimal(NamedTuple):
     row_used: np.ndarray | None  # (b, h, Lq, 1) bool, with a mask structure
 
 
+def _any(allowed, axis: int):
+    """logical_or over ``axis`` with keepdims (the array itself where that axis has length 1):
+    which rows (axis -1) or keys (axis -2) have an allowed entry."""
+    if allowed.shape[axis] == 1:
+        return allowed
+    return np.logical_or.reduce(allowed, axis=axis, keepdims=True)
+
+
 def attention_primal(q, k, v, allowed, scale, var: LogitVariants = NO_VARIANTS) -> AttnPrimal:
     """(A1)-(A3) with the variants on validated inputs; ``allowed`` and ``var`` from
     :func:`attention_structure`."""
@@ -127,12 +135,12 @@ def attention_primal(q, k, v, allowed, scale, var: LogitVariants = NO_VARIANTS) 
         k, v = k.repeat(G, axis=1), v.repeat(G, axis=1)  # (B, H, Lk, D|Dv): head h uses kv head h // G
     key_used = row_used = None
     if allowed is not None:  # structure, not value: unused keys and rows cannot reach the result
-        key_used = allowed.any(axis=-2)[..., None]  # (b, h, Lk, 1)
-        row_used = allowed.any(axis=-1)[..., None]  # (b, h, Lq, 1)
+        key_used = _any(allowed, -2).swapaxes(-1, -2)  # (b, h, Lk, 1)
+        row_used = _any(allowed, -1)  # (b, h, Lq, 1)
         k, v = np.where(key_used, k, 0.0), np.where(key_used, v, 0.0)
         q = np.where(row_used, q, 0.0)
-    s = q @ k.swapaxes(-1, -2)  # (A1) (B, H, Lq, Lk)
-    s *= scale  # (A1) in place: s is the product's fresh result
+    s = np.matmul(q, k.swapaxes(-1, -2))  # (A1) (B, H, Lq, Lk)
+    np.multiply(s, scale, out=s)  # (A1) in place: s is the product's fresh result
     t = None
     if var.softcap is not None:
         t = np.tanh(s / var.softcap)  # (V1)
