@@ -53,8 +53,13 @@ def dtype_name(dtype) -> str:
     return name
 
 
+_NOT_ARRAYS = (np.generic, type)  # NumPy scalars and classes have .shape and .dtype too
+
+
 def is_array(a) -> bool:
-    return hasattr(a, "shape") and hasattr(a, "dtype") and not isinstance(a, np.generic | type)
+    if isinstance(a, np.ndarray):  # the common case first: one C-level check
+        return True
+    return hasattr(a, "shape") and hasattr(a, "dtype") and not isinstance(a, _NOT_ARRAYS)
 
 
 def check_array(name: str, a, ndim: int | None = None, layout: str = "") -> None:

@@ -257,11 +257,24 @@ class LayerPrimal(NamedTuple):
     attn: AttnPrimal
 
 
+def _projections(params, srcs) -> tuple:
+    """(M1) Q, K, V (B, L, heads*D each).  Self-attention (one source array; the three biases
+    all given or all absent): one GEMM X [W^Q W^K W^V] + [b^Q b^K b^V], split by columns
+    (views), in place of three (the calls, not the flops, are the cost at small sizes)."""
+    ws = [params[f"W_{n}"] for n in "qkv"]
+    bs = [params.get(f"b_{n}") for n in "qkv"]
+    x = srcs[0]
+    if not (srcs[1] is x and srcs[2] is x and sum(b is None for b in bs) in (0, 3)):
+        return tuple(project(np, x, w, b) for x, w, b in zip(srcs, ws, bs, strict=True))
+    y = project(np, x, np.concatenate(ws, axis=1), None if bs[0] is None else np.concatenate(bs))  # (B, L, ·)
+    nq, nk = ws[0].shape[1], ws[1].shape[1]
+    return y[..., :nq], y[..., nq:nq + nk], y[..., nq + nk:]
+
+
 def _layer_primal(params, srcs, H, Hkv, *, mask, key_lengths, key_mask, causal, scale, variants, who,
                   kind) -> LayerPrimal:
     """(M1)-(M2) on checked params and inputs: the projections and attention per head."""
-    q, k, v = (project(np, x, params[f"W_{n}"], params.get(f"b_{n}"))  # (M1) (B, L, heads*D)
-               for x, n in zip(srcs, "qkv", strict=True))
+    q, k, v = _projections(params, srcs)  # (M1) (B, L, heads*D)
     heads = (split_heads(np, q, H), split_heads(np, k, Hkv), split_heads(np, v, Hkv))  # (M1)
     _, allowed, s, var = attention_structure(*heads, mask=mask, key_lengths=key_lengths, key_mask=key_mask,
                                              causal=causal, scale=scale, variants=variants, who=who, kind=kind)

@@ -65,6 +65,10 @@ def check_size(name: str, value, *, optional: bool = False) -> int | None:
     return int(value)
 
 
+# (name, the name in messages, ndim) of every parameter: formatted once, not per call
+_PARAM_CHECKS = tuple((n, f"params[{n!r}]", 2 if n in WEIGHTS else 1) for n in PARAM_NAMES)
+
+
 def check_param_arrays(params) -> None:
     """``params`` is a mapping with the four weights (2-D) and some biases (1-D)."""
     if not hasattr(params, "keys"):
@@ -77,9 +81,9 @@ def check_param_arrays(params) -> None:
     missing = [w for w in WEIGHTS if w not in params]
     if missing:
         raise ValueError(f"params is missing weights {missing}")
-    for name in PARAM_NAMES:
+    for name, label, ndim in _PARAM_CHECKS:
         if name in params:
-            check_array(f"params[{name!r}]", params[name], 2 if name in WEIGHTS else 1)
+            check_array(label, params[name], ndim)
 
 
 def check_params(params, num_heads: int, num_kv_heads: int | None = None) -> tuple[int, int, int, int]:
