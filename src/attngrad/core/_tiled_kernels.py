@@ -215,9 +215,7 @@ def bwd_head(blas, q, k, v, do, lse, delta, dq, dk, dv, scale, bq, bk, lo, hi, s
                 gi = r0 + i
                 row = p[i]
                 _logits_row(row, gi, c0, softcap, t[i] if softcap > 0.0 else t_buf[:0], alibi, slope, offset)
-                # (FA2) P = e^(S - lse): lse (float64) split into the compute dtype's nearest
-                # value and the remainder, so the subtraction stays in the vector lanes
-                exp_row(row, lse[gi])
+                exp_row(row, lse[gi])  # (FA2) P = e^(S - lse), S - lse formed in float64
                 _mask_row(row, lo[gi] - c0, hi[gi] + 1 - c0, narrow(row[0], 0.0))  # (A2)
             gemm(blas, p, True, do[r0:r1], False, dv[c0:c1], 1.0, 1.0)  # (A4) dV += P^T dO
             ds = dp_buf[: nr * nc].reshape((nr, nc))
