@@ -148,14 +148,19 @@ def test_dense_row_kernels_do_not_depend_on_the_row_split(rows, monkeypatch):
 
 @needs_numba
 @pytest.mark.parametrize(("variant", "use_fused"),
-                         [("bias+scale_grad", True), ("bias+scale_grad", False), ("compiled all", True)])
+                         [("bias+scale_grad", True), ("bias+scale_grad", False), ("compiled all", True),
+                          ("compiled split", True)])
 def test_bitwise_identical_across_calls_and_thread_counts(variant, use_fused, monkeypatch):
     """Every reduction in a fixed order: the NumPy tile loop with and without the per-tile
-    kernels (bias, dropout and every variant), and the compiled tile loops."""
+    kernels (bias, dropout and every variant), and the compiled tile loops, also where
+    they split heads into row spans (forward) and key spans (backward) across workers."""
     from attngrad.core.tiled import compiled_loops
 
-    if variant == "compiled all":
-        x, opts = _case(8, (2, 4, 2, 45, 39, 8, 6), variant)
+    if variant in ("compiled all", "compiled split"):
+        if variant == "compiled all":
+            x, opts = _case(8, (2, 4, 2, 45, 39, 8, 6), variant)
+        else:  # rows that reach every key span
+            x, opts = _case(8, (1, 2, 1, 70, 75, 8, 8), "alibi")
         _, cache = ag.sdpa_forward(x["q"], x["k"], x["v"], impl="tiled", **opts)
         assert compiled_loops(cache.problem, cache.tiling) is not None or fused.tile_loops() is None
     else:

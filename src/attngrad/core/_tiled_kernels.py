@@ -189,7 +189,7 @@ def fwd_head(blas, q, k, v, out, lse, scale, bq, bk, lo, hi, softcap, alibi, slo
 
 @_jit
 def bwd_head(blas, q, k, v, do, lse, delta, dq, dk, dv, scale, bq, bk, lo, hi, softcap,
-             alibi, slope, offset, shift_free, flat, s_buf, dp_buf, t_buf):
+             alibi, slope, offset, shift_free, flat, kb, lk_full, s_buf, dp_buf, t_buf):
     """Backward of one query head (FA2, A4-A9, V1, V4, V7): P recomputed from the lse tile
     by tile.  dv, dk (Lk, Dv | D) of its key/value head are accumulated, dk unscaled (the
     caller multiplies it by the scale once per key/value head, A9); dq (Lq, D) zeros is
@@ -197,6 +197,9 @@ def bwd_head(blas, q, k, v, do, lse, delta, dq, dk, dv, scale, bq, bk, lo, hi, s
     for none: rows whose softmax is constant (fewer than two keys in the whole row, which a
     caller such as ring attention may know better than this block's intervals) get dS = 0
     (A7).  ``shift_free``: no sinks (V8).  Returns (dL/dslope (V4), sum(Q * dS0 K) (V7)), float64.
+    ``k``, ``v`` (and dk, dv) may be the keys kb .. kb + len(k) - 1 of a row of ``lk_full``
+    keys (a caller splitting the keys across workers: then dq is that span's share); lo, hi
+    and the ALiBi positions count all of the row's keys.
     Scratch: s_buf, dp_buf (and t_buf with a soft-cap) (bq*bk,)."""
     Lq, Lk = q.shape[0], k.shape[0]
     dslope = 0.0
@@ -204,9 +207,10 @@ def bwd_head(blas, q, k, v, do, lse, delta, dq, dk, dv, scale, bq, bk, lo, hi, s
         k1 = min(k0 + bk, Lk)
         for q0 in range(0, Lq, bq):
             q1 = min(q0 + bq, Lq)
-            r0, r1, c0, c1 = _tile_span(lo, hi, q0, q1, k0, k1)
+            r0, r1, a0, a1 = _tile_span(lo, hi, q0, q1, kb + k0, kb + k1)  # keys a0 .. a1 - 1 of the row
             if r0 >= r1:
                 continue
+            c0, c1 = a0 - kb, a1 - kb  # the same keys in k
             nr, nc = r1 - r0, c1 - c0
             p = s_buf[: nr * nc].reshape((nr, nc))
             t = t_buf[: nr * nc].reshape((nr, nc)) if softcap > 0.0 else t_buf[:0].reshape((0, 0))
@@ -214,9 +218,9 @@ def bwd_head(blas, q, k, v, do, lse, delta, dq, dk, dv, scale, bq, bk, lo, hi, s
             for i in range(nr):
                 gi = r0 + i
                 row = p[i]
-                _logits_row(row, gi, c0, softcap, t[i] if softcap > 0.0 else t_buf[:0], alibi, slope, offset)
+                _logits_row(row, gi, a0, softcap, t[i] if softcap > 0.0 else t_buf[:0], alibi, slope, offset)
                 exp_row(row, lse[gi])  # (FA2) P = e^(S - lse), S - lse formed in float64
-                _mask_row(row, lo[gi] - c0, hi[gi] + 1 - c0, narrow(row[0], 0.0))  # (A2)
+                _mask_row(row, lo[gi] - a0, hi[gi] + 1 - a0, narrow(row[0], 0.0))  # (A2)
             gemm(blas, p, True, do[r0:r1], False, dv[c0:c1], 1.0, 1.0)  # (A4) dV += P^T dO
             ds = dp_buf[: nr * nc].reshape((nr, nc))
             gemm(blas, do[r0:r1], False, v[c0:c1], True, ds, 1.0, 0.0)  # (A5) dP = dO V^T
@@ -230,10 +234,10 @@ def bwd_head(blas, q, k, v, do, lse, delta, dq, dk, dv, scale, bq, bk, lo, hi, s
                 dsoftmax_row(row, prow, delta[gi])  # (A7) dS = P (dP - delta)
                 if alibi:  # (V4, V8) dslope = -sum dS (|pos(i) - j| - c_i), float64
                     pos = gi + offset
-                    c = 0 if not shift_free else max(max(-pos, pos - (Lk - 1)), 0)
+                    c = 0 if not shift_free else max(max(-pos, pos - (lk_full - 1)), 0)
                     acc = 0.0
                     for j in range(nc):
-                        acc += np.float64(row[j]) * (abs(pos - (c0 + j)) - c)
+                        acc += np.float64(row[j]) * (abs(pos - (a0 + j)) - c)
                     dslope -= acc
                 if softcap > 0.0:  # (V1) dS0 = dS1 (1 - t^2)
                     trow = t[i]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager, nullcontext
 
 _CONTROLLER = None
@@ -68,11 +68,15 @@ def blas_threads(n: int):
 
 def run_units(work: Callable[[int, int], None], n_units: int, threads: int) -> int:
     """Call ``work(unit, worker)`` for every unit in ``range(n_units)``; returns the worker count.
-
-    With ``threads`` > 1 and at least two units, ``min(threads, n_units)`` Python threads
-    take units in order from a shared counter, BLAS single-threaded in each.  Otherwise
-    one thread runs them all and BLAS may use ``threads`` threads (large single GEMMs).
-    ``worker`` (0 <= worker < returned count) lets each worker own its scratch buffers.
+    With ``threads`` > 1 and at least two units, ``min(threads, n_units)`` workers take
+    units in order from a shared counter, BLAS single-threaded in each: the calling thread
+    is worker 0 and the others run on a persistent pool (:func:`_unit_pool`), so a call
+    neither starts threads nor waits for one to start before work begins (issue 13: fresh
+    threads started up to 10 ms late; the median start of the last worker went from 0.6
+    to 0.3 ms).  Otherwise one thread runs them all and BLAS may use ``threads`` threads
+    (large single GEMMs).  ``worker`` (0 <= worker < returned count) lets each worker own
+    its scratch buffers; a worker the pool never got to runs no unit, so which worker ran a
+    unit never changes a result.
     """
     workers = min(threads, n_units) if _controller() is not None else 1
     if workers <= 1:
@@ -82,21 +86,56 @@ def run_units(work: Callable[[int, int], None], n_units: int, threads: int) -> i
         return 1
     counter = iter(range(n_units))
     take = threading.Lock()
+    failed = []  # set by the first unit that raises: no further units for anyone
 
     def loop(worker: int) -> None:
         while True:
             with take:
-                u = next(counter, None)
+                u = None if failed else next(counter, None)
             if u is None:
                 return
-            work(u, worker)
+            try:
+                work(u, worker)
+            except BaseException:
+                failed.append(worker)
+                raise
 
-    with blas_threads(1), ThreadPoolExecutor(max_workers=workers) as pool:
-        futures = [pool.submit(loop, w) for w in range(workers)]
-        for f in futures:
+    with blas_threads(1):
+        pool = _unit_pool(workers - 1)
+        futures = [pool.submit(loop, w) for w in range(1, workers)]
+        error = None
+        try:
+            loop(0)
+        except BaseException as exc:  # the others must stop writing before it propagates
+            error = exc
+        # a worker not yet started has nothing left to do (and waiting for it could
+        # deadlock a nested call that holds every pool thread): cancel it
+        started = [f for f in futures if not f.cancel()]
+        wait(started)
+        if error is not None:
+            raise error
+        for f in started:
             f.result()  # re-raises a worker's exception
     return workers
 
+
+_UNIT_POOL: ThreadPoolExecutor | None = None
+_UNIT_POOL_SIZE = 0
+
+
+def _unit_pool(n: int) -> ThreadPoolExecutor:
+    """The persistent pool of :func:`run_units` with at least ``n`` threads (it grows when
+    a call asks for more workers; the old pool's threads finish their work and exit).
+    Separate from :func:`shared_pool`, which units themselves may use."""
+    global _UNIT_POOL, _UNIT_POOL_SIZE
+    with _LOCK:
+        if _UNIT_POOL is None or _UNIT_POOL_SIZE < n:
+            old, size = _UNIT_POOL, max(n, available_cores() - 1, 1)
+            _UNIT_POOL = ThreadPoolExecutor(max_workers=size, thread_name_prefix="attngrad-units")
+            _UNIT_POOL_SIZE = size
+            if old is not None:
+                old.shutdown(wait=False)
+        return _UNIT_POOL
 
 
 _PARALLEL_MIN_SIZE = 1 << 18  # below this, one thread is faster than handing out work
