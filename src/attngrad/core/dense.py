@@ -20,6 +20,7 @@ from .dropout import keep_heads
 from .logits import alibi_grad_distance, form_logits, softcap_backward
 from .parallel import exp_inplace
 from .problem import Problem, SDPAShape, problem_views
+from .workspace import scratch
 
 
 @problem_views
@@ -28,15 +29,14 @@ class SDPACache(NamedTuple):
 
     Memory: P is B*H*Lq*Lk values (the dense path's whole cost; tanh of the soft-cap is as
     much again, only with ``softcap``); q, k, v are the inputs by reference (k, v, q copied
-    only where masked-out keys or empty rows are zeroed); ``out`` is the path's own buffer,
-    never handed to the caller.
+    only where masked-out keys or empty rows are zeroed).  The output is not kept (the
+    backward forms delta from P, A6), so the caller gets the product's own buffer.
     """
 
     q: Array  # (B, Hkv, G*Lq, D)   queries (unscaled), grouped by key/value head, compute dtype
     k: Array  # (B, Hkv, Lk, D)     masked-out keys zeroed
     v: Array  # (B, Hkv, Lk, Dv)    masked-out values zeroed
     p: Array  # (B, Hkv, G*Lq, Lk)  probabilities before dropout, exactly 0 where masked
-    out: Array  # (B, Hkv, G*Lq, Dv)
     t: Array | None  # (B, Hkv, G*Lq, Lk) tanh(S0 / c) with a soft-cap, else None   (V1)
     psink: Array | None  # (B, Hkv, G*Lq, 1) the sink's probability, else None         (V2)
     flat: Array | None  # (b, Hkv|1, G|1, Lq, 1) bool: rows with a constant softmax (< 2 keys, no sink)
@@ -84,13 +84,13 @@ def dense_forward(xp, q, k, v, prob: Problem):
     p = xp.reshape(p, (B, Hkv, G * Lq, Lk))  # (B, Hkv, G*Lq, Lk)
     out = _dropped(xp, p, prob) @ v  # (A3, V3) (B, Hkv, G*Lq, Dv)
     cache = SDPACache(
-        qg, k, v, p, out,
+        qg, k, v, p,
         None if t is None else xp.reshape(t, (B, Hkv, G * Lq, Lk)),
         None if psink is None else xp.reshape(psink, (B, Hkv, G * Lq, 1)),
         _flat_rows(xp, allowed5, prob),
         prob,
     )
-    return xp.astype(xp.reshape(out, (B, H, Lq, Dv)), prob.dtype, copy=True), cache
+    return xp.astype(xp.reshape(out, (B, H, Lq, Dv)), prob.dtype, copy=False), cache  # out: fresh, not kept
 
 
 def _flat_rows(xp, allowed5, prob: Problem):
@@ -185,7 +185,7 @@ def dense_backward(xp, do, cache: SDPACache) -> dict:
     do = xp.reshape(do, (B, Hkv, G * Lq, Dv))  # (B, Hkv, G*Lq, Dv)
     z = _keep(xp, prob, p) if prob.dropout else None  # (V3) regenerated once, never stored
     dv = xp.matrix_transpose(_dropped(xp, p, prob, z)) @ do  # (A4) (B, Hkv, Lk, Dv), summed over the group
-    dp = _dropped(xp, do @ xp.matrix_transpose(v), prob, z)  # (A5, V3) dP = (dO V^T) Z / (1 - p)
+    dp = _dropped(xp, _dp_product(xp, do, v, prob), prob, z)  # (A5, V3) dP = (dO V^T) Z / (1 - p)
     # (A6) delta = rowsum(P * dP): with P at hand, the form whose rounding matches dP's, so
     # dP - delta cancels as exactly as the maths (float32 rule, RELIABILITY 24); the tiled
     # path, which has no P row, uses the equal rowsum(dO * O).
@@ -218,9 +218,24 @@ def dense_backward(xp, do, cache: SDPACache) -> dict:
     dq_raw = ds @ k  # (B, Hkv, G*Lq, D)  dS0 K
     if prob.scale_grad:  # (V7) dL/dscale = sum(Q * dS0 K)
         grads["scale"] = xp.sum(xp.astype(qg * dq_raw, xp.float64))
-    dq = prob.scale * dq_raw  # (A8) (B, Hkv, G*Lq, D)
-    dk = (xp.matrix_transpose(ds) @ qg) * prob.scale  # (A9) (B, Hkv, Lk, D)
+    dq = dq_raw
+    dq *= prob.scale  # (A8) (B, Hkv, G*Lq, D) in place: the product's fresh buffer
+    dk = xp.matrix_transpose(ds) @ qg  # (B, Hkv, Lk, D)
+    dk *= prob.scale  # (A9) in place
     return {"q": xp.reshape(dq, (B, H, Lq, D)), "k": dk, "v": dv, **grads}
+
+
+def _dp_product(xp, do, v, prob: Problem):
+    """dO V^T (B, Hkv, G*Lq, Lk), the dense backward's one temporary of P's size: for
+    NumPy into a reused buffer (:mod:`.workspace`; a fresh one costs page faults on every
+    call) when nothing returned can alias it (no additive bias, whose gradient may be dS
+    itself; no dropout, which forms dP anew), else a fresh array."""
+    vt = xp.matrix_transpose(v)
+    if xp is np and prob.bias is None and not prob.dropout:
+        buf = scratch("dense.dp", (*do.shape[:-1], v.shape[-2]), do.dtype)
+        if buf is not None:
+            return np.matmul(do, vt, out=buf)
+    return do @ vt
 
 
 def _reduce_heads(xp, per, shape: tuple):

@@ -68,11 +68,12 @@ def form_logits(xp, prob: Problem, s, *, bias=None, slopes=None, tile=(0, None, 
 
 
 def softcap_backward(xp, ds, t):
-    """dS0 = dS1 (1 - t^2), t = tanh(S0 / c); in place for NumPy.          (V1)"""
+    """dS0 = dS1 (1 - t^2), t = tanh(S0 / c); in ds's buffer for NumPy.  ``t`` is only
+    read: it is the forward's cache, and a cache serves any number of backward calls.  (V1)"""
     if t is None:
         return ds
     if xp is np:
-        np.multiply(t, t, out=t)
-        np.subtract(1.0, t, out=t)
-        return np.multiply(ds, t, out=ds)
+        w = np.multiply(t, t)  # t^2, a temporary (t belongs to the cache)
+        np.subtract(1.0, w, out=w)
+        return np.multiply(ds, w, out=ds)
     return ds * (1 - t * t)

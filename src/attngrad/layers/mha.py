@@ -23,6 +23,7 @@ import numpy as np
 
 from ..core._xp import Array, check_array, check_float_dtypes, dtype_name, namespace
 from ..core.sdpa import SDPACache, sdpa_backward, sdpa_forward
+from ..core.workspace import scratch
 from ..ops import bias_grad, merge_heads, project, split_heads, weight_grad
 from .qk_prep import NORM_WEIGHTS, QKPrepCache, check_qk_options, qk_prep_backward, qk_prep_forward
 
@@ -317,7 +318,8 @@ def _projections_backward(xp, x, dheads, names, p) -> tuple:
     grads = {}
     if xp is np and len(dheads) > 1:
         widths = [d.shape[1] * d.shape[3] for d in dheads]
-        buf = np.empty((B, L, sum(widths)), dtype=dheads[0].dtype)  # (B, L, sum heads*d)
+        buf = scratch("mha.dproj", (B, L, sum(widths)), dheads[0].dtype)  # (B, L, sum heads*d) a temporary
+        buf = np.empty((B, L, sum(widths)), dtype=dheads[0].dtype) if buf is None else buf
         off = 0
         for d, w in zip(dheads, widths, strict=True):
             view = buf[:, :, off:off + w].reshape(B, L, d.shape[1], d.shape[3])  # a view
@@ -330,7 +332,9 @@ def _projections_backward(xp, x, dheads, names, p) -> tuple:
             if bname in p:
                 grads[bname] = bias_grad(xp, d2[:, off:off + w])  # (M7) db = sum dQ (w,)
             off += w
-        w_cat = np.concatenate([p[wname] for wname, _ in names], axis=1)  # (in, sum widths)
+        ws = [p[wname] for wname, _ in names]
+        w_cat = scratch("mha.wcat", (n_in, off), np.result_type(*ws))  # (in, sum widths) a temporary
+        w_cat = np.concatenate(ws, axis=1, out=w_cat)
         dx = d2 @ w_cat.T  # (M8) (M9) (B*L, in): dQ W_q^T + dK W_k^T + dV W_v^T
         return xp.reshape(dx, (B, L, n_in)), grads
     dx = None

@@ -1,0 +1,40 @@
+"""Reused scratch buffers for the temporaries of a NumPy call that are never returned.
+
+A fresh large array costs a page fault per 4 KiB page the first time it is written, on
+every call (glibc hands big blocks back to the OS when they are freed).  On this
+project's VM that was ~0.75 ms per MB: a fresh 8 MB dP took 6-14 ms of a 15 ms dense
+backward, against 3 ms in a reused buffer (issue 13, docs/performance.md).  So the hot
+paths write such temporaries into one buffer per use site and per thread, kept between
+calls, up to MAX_BYTES each (the sizes at which ``impl="auto"`` picks the dense path).
+
+Rules for a caller: a buffer is only a temporary of one call (nothing returned and
+nothing cached may be a view of it), and each use site has its own ``key``, so two
+temporaries alive at once never share memory.  Threads have their own buffers.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import numpy as np
+
+MAX_BYTES = 1 << 26  # 64 MiB per buffer; larger temporaries are allocated afresh
+_LOCAL = threading.local()
+
+
+def scratch(key: str, shape: tuple, dtype) -> np.ndarray | None:
+    """An uninitialised C-contiguous array of ``shape`` and ``dtype`` in this thread's
+    buffer ``key`` (grown when too small), or None when it would exceed MAX_BYTES (then
+    the caller allocates as usual)."""
+    dtype = np.dtype(dtype)
+    n = math.prod(shape)
+    if n * dtype.itemsize > MAX_BYTES:
+        return None
+    bufs = getattr(_LOCAL, "bufs", None)
+    if bufs is None:
+        bufs = _LOCAL.bufs = {}
+    buf = bufs.get(key)
+    if buf is None or buf.dtype != dtype or buf.size < n:
+        buf = bufs[key] = np.empty(max(n, 1), dtype=dtype)
+    return buf[:n].reshape(shape)
