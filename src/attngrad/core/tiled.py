@@ -42,6 +42,7 @@ from .logits import alibi_grad_distance, form_logits, softcap_backward
 from .masks import MaskSpec
 from .parallel import check_threads, run_units
 from .problem import Problem, problem_views
+from .workspace import scratch
 
 # Default tiles (2 cores, float32, D=64, fwd + bwd against torch SDPA, round-robin,
 # `python benchmarks/tiles.py`; docs/performance.md): 256 x 512 without a causal rule or
@@ -470,6 +471,15 @@ def tiled_forward(q, k, v, prob: Problem, tiling: Tiling):
     return out.astype(prob.dtype, copy=True), cache  # a copy: the caller may write into it
 
 
+def _zeroed(key: str, like):
+    """Zeros like ``like``: a temporary of this call, in a reused buffer when it fits."""
+    buf = scratch(key, like.shape, like.dtype)
+    if buf is None:
+        return np.zeros_like(like)
+    buf.fill(0)
+    return buf
+
+
 def preprocess_delta(do, out):
     """(A6) delta = rowsum(dO * O): (..., Lq) for dO, O (..., Lq, Dv); float64 when O is
     (the float32 path keeps O in float64)."""
@@ -590,7 +600,7 @@ def tiled_backward(dout, cache: TiledCache) -> dict:
         # each span's share of dQ (and of dslope, dscale) is kept apart and summed after, in
         # span order; the spans depend on the problem alone, not on the thread count
         spans = split_spans(Lk, bk, B * Hkv)
-        dq_parts = [dq] + [np.zeros_like(dq) for _ in spans[1:]]  # (B, H, Lq, D) each
+        dq_parts = [dq] + [_zeroed(f"tiled.dq{i}", dq) for i in range(1, len(spans))]  # (B, H, Lq, D) each
         shares = np.zeros((len(spans), B, H, 2))  # dslope, dscale per span and head
 
     def head_compiled(b, h, hk, kh, vh, part, worker) -> None:

@@ -221,13 +221,20 @@ def mha_forward(
     return y, cache
 
 
-def _heads(xp, y, heads: int):
+def _heads(xp, y, heads: int, temporary: str | None = None):
     """split_heads (B, L, heads*d) -> (B, heads, L, d), made contiguous for NumPy: the
     core's many small per-head GEMMs run faster on contiguous heads than on the strided
     view (issue 13: B=64, L=17, H=4, D=16, float32, one thread, the dense forward and
-    backward about 0.3-0.6 ms faster per call) at the cost of one copy (about 30 us)."""
+    backward about 0.3-0.6 ms faster per call) at the cost of one copy (about 30 us).
+    ``temporary``: a workspace key when the result is needed during this call only."""
     h = split_heads(xp, y, heads)  # (B, heads, L, d)
-    return np.ascontiguousarray(h) if xp is np else h
+    if xp is not np:
+        return h
+    buf = None if temporary is None else scratch(temporary, h.shape, h.dtype)
+    if buf is None:
+        return np.ascontiguousarray(h)
+    np.copyto(buf, h)
+    return buf
 
 
 def check_cache(cache) -> None:
@@ -274,7 +281,7 @@ def mha_backward(dy, cache: MHACache) -> tuple[dict, dict]:
     if "b_o" in p:
         grads["b_o"] = bias_grad(xp, dy2)  # (M5) db_o = sum dY
     dc = xp.reshape(dy2 @ xp.matrix_transpose(p["W_o"]), (B, Lq, -1))  # (M5) dC = dY W_o^T  (B, Lq, H*Dv)
-    g = sdpa_backward(_heads(xp, dc, cache.heads), cache.attn)  # (M6) per-head A4-A9, V1-V7
+    g = sdpa_backward(_heads(xp, dc, cache.heads, "mha.dheads"), cache.attn)  # (M6) per-head A4-A9, V1-V7
     for name in VARIANT_PARAMS:  # learned sinks and slopes (V2, V4)
         if name in p:
             grads[name] = g[name]
