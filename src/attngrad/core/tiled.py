@@ -30,6 +30,7 @@ bitwise identical whatever the thread count.  NumPy arrays only.
 from __future__ import annotations
 
 import itertools
+import threading
 from typing import NamedTuple
 
 import numpy as np
@@ -42,7 +43,6 @@ from .logits import alibi_grad_distance, form_logits, softcap_backward
 from .masks import MaskSpec
 from .parallel import check_threads, run_units
 from .problem import Problem, problem_views
-from .workspace import scratch
 
 # Default tiles (2 cores, float32, D=64, fwd + bwd against torch SDPA, round-robin,
 # `python benchmarks/tiles.py`; docs/performance.md): 256 x 512 without a causal rule or
@@ -471,15 +471,6 @@ def tiled_forward(q, k, v, prob: Problem, tiling: Tiling):
     return out.astype(prob.dtype, copy=True), cache  # a copy: the caller may write into it
 
 
-def _zeroed(key: str, like):
-    """Zeros like ``like``: a temporary of this call, in a reused buffer when it fits."""
-    buf = scratch(key, like.shape, like.dtype)
-    if buf is None:
-        return np.zeros_like(like)
-    buf.fill(0)
-    return buf
-
-
 def preprocess_delta(do, out):
     """(A6) delta = rowsum(dO * O): (..., Lq) for dO, O (..., Lq, Dv); float64 when O is
     (the float32 path keeps O in float64)."""
@@ -592,18 +583,44 @@ def tiled_backward(dout, cache: TiledCache) -> dict:
     kern = fused.kernels() if cache.tiling.fused else None
     loops = compiled_loops(prob, cache.tiling)
 
-    spans, dq_parts, shares = [(0, Lk)], [], None
+    spans, shares = [(0, Lk)], None
     if loops is not None:  # (A6) every head's delta in one pass: (B, H, Lq)
         delta_all = preprocess_delta(do_all, cache.out)
         do_all = np.ascontiguousarray(do_all)
-        # units (b, hk, keys [k0, k1)) on key-tile boundaries: dK, dV rows are disjoint, and
-        # each span's share of dQ (and of dslope, dscale) is kept apart and summed after, in
-        # span order; the spans depend on the problem alone, not on the thread count
+        # units (b, hk, keys [k0, k1)) on key-tile boundaries: dK, dV rows are disjoint; the
+        # first span writes dQ, each other span its own share of it, added to dQ in span
+        # order once the last span of the pair is done (so neither the split nor the thread
+        # count changes a bit); the spans depend on the problem alone.  Shares are recycled
+        # as pairs complete: about one (G, Lq, D) buffer per worker, not a second dQ.
         spans = split_spans(Lk, bk, B * Hkv)
-        dq_parts = [dq] + [_zeroed(f"tiled.dq{i}", dq) for i in range(1, len(spans))]  # (B, H, Lq, D) each
         shares = np.zeros((len(spans), B, H, 2))  # dslope, dscale per span and head
+    done_parts: dict = {}  # pair -> {span: its dQ share}, until the pair's last span is done
+    spare: list = []  # dQ share buffers of completed pairs, for reuse
+    parts_lock = threading.Lock()
 
-    def head_compiled(b, h, hk, kh, vh, part, worker) -> None:
+    def dq_share(part: int, b: int, hk: int):
+        """Where span ``part`` of pair (b, hk) accumulates dQ: (G, Lq, D)."""
+        if part == 0:
+            return dq[b, hk * G:(hk + 1) * G]
+        with parts_lock:
+            buf = spare.pop() if spare else None
+        buf = np.empty((G, Lq, D), dtype=cdt) if buf is None else buf
+        buf.fill(0)
+        return buf
+
+    def finish_pair(part: int, b: int, hk: int, target) -> None:
+        with parts_lock:
+            mine = done_parts.setdefault((b, hk), {})
+            mine[part] = target
+            if len(mine) < len(spans):
+                return
+            del done_parts[(b, hk)]
+        for p in range(1, len(spans)):
+            dq[b, hk * G:(hk + 1) * G] += mine[p]  # span order: deterministic
+        with parts_lock:
+            spare.extend(mine[p] for p in range(1, len(spans)))
+
+    def head_compiled(b, h, hk, kh, vh, part, dq_h, worker) -> None:
         if worker not in scratch:
             n = bq * bk
             scratch[worker] = worker_scratch(cdt, n, n, n if prob.softcap is not None else 0)
@@ -613,7 +630,7 @@ def tiled_backward(dout, cache: TiledCache) -> dict:
         flat = _NO_ROWS if cache.flat is None else np.ascontiguousarray(_index(cache.flat, b, h))  # (Lq,)
         shares[part, b, h] = loops.bwd(
             loops.blas, np.ascontiguousarray(q[b, h]), kh, vh, do_all[b, h], cache.lse[b, h],
-            delta_all[b, h], dq_parts[part][b, h], dk[b, hk, k0:k1], dv[b, hk, k0:k1], prob.scale,
+            delta_all[b, h], dq_h, dk[b, hk, k0:k1], dv[b, hk, k0:k1], prob.scale,
             bq, bk, lo, hi, *_head_args(prob, hd), prob.shift_free, flat, k0, Lk,
             *scratch[worker])  # dq scaled (A8)
         if prob.sinks is not None and part == 0:
@@ -624,9 +641,12 @@ def tiled_backward(dout, cache: TiledCache) -> dict:
         b, hk = divmod(pair, Hkv)
         k0, k1 = spans[part]
         kh, vh = np.ascontiguousarray(k[b, hk, k0:k1]), np.ascontiguousarray(v[b, hk, k0:k1])
-        for h in range(hk * G, (hk + 1) * G):
-            head_compiled(b, h, hk, kh, vh, part, worker)
+        target = dq_share(part, b, hk)  # (G, Lq, D)
+        for g, h in enumerate(range(hk * G, (hk + 1) * G)):
+            head_compiled(b, h, hk, kh, vh, part, target[g], worker)
         dk[b, hk, k0:k1] *= prob.scale  # (A9)
+        if len(spans) > 1:
+            finish_pair(part, b, hk, target)
 
     def work(slot: int, worker: int) -> None:
         if worker not in scratch:
@@ -666,8 +686,6 @@ def tiled_backward(dout, cache: TiledCache) -> dict:
 
     if loops is not None:
         run_units(work_compiled, B * Hkv * len(spans), cache.tiling.threads)
-        for part in dq_parts[1:]:
-            dq += part  # span order: deterministic
         per_head[..., :2] = shares.sum(axis=0)
     else:
         run_units(work, len(slots), cache.tiling.threads)
