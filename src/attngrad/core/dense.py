@@ -90,7 +90,9 @@ def dense_forward(xp, q, k, v, prob: Problem):
         _flat_rows(xp, allowed5, prob),
         prob,
     )
-    return xp.astype(xp.reshape(out, (B, H, Lq, Dv)), prob.dtype, copy=False), cache  # out: fresh, not kept
+    # out is fresh and not kept: NumPy hands its buffer over; other libraries get a copy (a
+    # torch reshape is a view, which autograd refuses to let a caller modify in place)
+    return xp.astype(xp.reshape(out, (B, H, Lq, Dv)), prob.dtype, copy=xp is not np), cache
 
 
 def _flat_rows(xp, allowed5, prob: Problem):
@@ -218,10 +220,12 @@ def dense_backward(xp, do, cache: SDPACache) -> dict:
     dq_raw = ds @ k  # (B, Hkv, G*Lq, D)  dS0 K
     if prob.scale_grad:  # (V7) dL/dscale = sum(Q * dS0 K)
         grads["scale"] = xp.sum(xp.astype(qg * dq_raw, xp.float64))
-    dq = dq_raw
-    dq *= prob.scale  # (A8) (B, Hkv, G*Lq, D) in place: the product's fresh buffer
     dk = xp.matrix_transpose(ds) @ qg  # (B, Hkv, Lk, D)
-    dk *= prob.scale  # (A9) in place
+    if xp is np:  # in place: the products' fresh buffers
+        dq = np.multiply(dq_raw, prob.scale, out=dq_raw)  # (A8) (B, Hkv, G*Lq, D)
+        dk = np.multiply(dk, prob.scale, out=dk)  # (A9)
+    else:  # (torch autograd refuses in-place changes inside a custom Function's backward)
+        dq, dk = prob.scale * dq_raw, dk * prob.scale  # (A8, A9)
     return {"q": xp.reshape(dq, (B, H, Lq, D)), "k": dk, "v": dv, **grads}
 
 
