@@ -73,3 +73,11 @@ def test_nested_calls_do_not_deadlock():
     t.start()
     assert done.wait(30), "nested run_units did not finish"
     assert len(out) == 30
+
+
+def test_a_growing_pool_leaves_the_old_one_usable():
+    """A call that asked for few workers may still be submitting to the pool a concurrent
+    call with more workers just replaced: the old pool must keep accepting work."""
+    small = parallel._unit_pool(1)
+    parallel._unit_pool(parallel._UNIT_POOL_SIZE + 3)  # a larger one replaces it
+    assert small.submit(lambda: 7).result(timeout=10) == 7

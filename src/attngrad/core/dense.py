@@ -30,7 +30,7 @@ class SDPACache(NamedTuple):
     Memory: P is B*H*Lq*Lk values (the dense path's whole cost; tanh of the soft-cap is as
     much again, only with ``softcap``); q, k, v are the inputs by reference (k, v, q copied
     only where masked-out keys or empty rows are zeroed).  The output is not kept (the
-    backward forms delta from P, A6), so the caller gets the product's own buffer.
+    backward forms delta from P, A6), so a NumPy caller gets the product's own buffer.
     """
 
     q: Array  # (B, Hkv, G*Lq, D)   queries (unscaled), grouped by key/value head, compute dtype

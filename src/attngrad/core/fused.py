@@ -29,9 +29,11 @@ Accuracy: under 1 ulp on [-87, 88] (NumPy's float32 exp: 2.4 ulp), so the float3
 the kernels' exponents are <= 0 up to rounding); -inf gives 0 and NaN stays NaN.  float64 work uses
 ``math.exp`` (libm, within 1 ulp).
 
-Row sums and maxima run over 8 independent partials in a fixed order, so no fast-math
-reassociation is needed (reassociation would also break the range reduction) and the
-result does not depend on alignment or thread count.
+Row maxima and float64 sums run over 8 independent partials in a fixed order.  Only the
+softmax's row sum (``exp_shift_sum``) is compiled with fast-math reassociation, so that
+LLVM vectorises it; its order is fixed by the row length, and the exponential inlined into
+it keeps its own flags (reassociation would break the range reduction).  No result
+depends on alignment or thread count.
 
 Selection: :func:`enabled` says whether the kernels are used: numba importable and the
 environment variable ``ATTNGRAD_NO_NUMBA`` unset, empty or "0".  The first call compiles

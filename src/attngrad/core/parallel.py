@@ -124,17 +124,15 @@ _UNIT_POOL_SIZE = 0
 
 
 def _unit_pool(n: int) -> ThreadPoolExecutor:
-    """The persistent pool of :func:`run_units` with at least ``n`` threads (it grows when
-    a call asks for more workers; the old pool's threads finish their work and exit).
-    Separate from :func:`shared_pool`, which units themselves may use."""
+    """The persistent pool of :func:`run_units` with at least ``n`` threads.  It is
+    replaced by a larger one when a call asks for more workers, never shut down: a
+    concurrent call may still be submitting to the old one, whose idle threads exit once
+    nothing refers to it.  Separate from :func:`shared_pool`, which units themselves may use."""
     global _UNIT_POOL, _UNIT_POOL_SIZE
     with _LOCK:
         if _UNIT_POOL is None or _UNIT_POOL_SIZE < n:
-            old, size = _UNIT_POOL, max(n, available_cores() - 1, 1)
-            _UNIT_POOL = ThreadPoolExecutor(max_workers=size, thread_name_prefix="attngrad-units")
-            _UNIT_POOL_SIZE = size
-            if old is not None:
-                old.shutdown(wait=False)
+            _UNIT_POOL_SIZE = max(n, available_cores() - 1, 1)
+            _UNIT_POOL = ThreadPoolExecutor(max_workers=_UNIT_POOL_SIZE, thread_name_prefix="attngrad-units")
         return _UNIT_POOL
 
 
