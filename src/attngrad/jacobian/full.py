@@ -23,13 +23,16 @@ from ..layers.mha import check_param_arrays
 from ..ops import merge_heads
 from .columns import jacobian_to_columns, params_from_columns, to_rows
 from .jvp import (
+    _any,
     _f64,
     attention_jvp_parts,
     attention_primal,
     attention_structure,
     layer_jvp_parts,
     layer_primal,
+    layer_structure,
 )
+from .rows import row_args, row_kernels
 
 SDPA_ARGS = ("q", "k", "v")
 
@@ -80,8 +83,11 @@ def sdpa_jacobian(q, k, v, wrt: str = "q", *, method: str = "closed", chunk: int
     args = {"q": q, "k": k, "v": v}
     out_shape = (q.shape[0], q.shape[1], q.shape[2], v.shape[3])
     if method == "closed":
-        return _sdpa_jacobian_blocks(attention_primal(q, k, v, allowed, s, var), wrt,
-                                     out_shape + tuple(args[wrt].shape))
+        shape = out_shape + tuple(args[wrt].shape)
+        kern = row_kernels()
+        if kern is not None:
+            return _sdpa_jacobian_rows(kern, q, k, v, row_args(allowed, s, var), wrt, shape)
+        return _sdpa_jacobian_blocks(attention_primal(q, k, v, allowed, s, var), wrt, shape)
 
     def jvp_of(t):
         tang = {n: (t if n == wrt else None) for n in SDPA_ARGS}
@@ -167,6 +173,33 @@ def _sdpa_jacobian_blocks(r, wrt: str, shape: tuple):
     return jac
 
 
+def _sdpa_jacobian_rows(kern, q, k, v, rargs, wrt: str, shape: tuple):
+    """:func:`_sdpa_jacobian_blocks` with the compiled row kernels (:mod:`.rows`): the
+    same blocks (J6)-(J8) written through the same diagonal views, each query row's primal
+    and block in one pass."""
+    B, H, Lq, _ = q.shape
+    Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    jac = np.zeros(shape)
+    if jac.size == 0:
+        return jac
+    G = H // Hkv
+    outs = np.empty((B, H, Lq, Dv))  # O, (A3)
+    if wrt == "q":
+        st = jac.strides  # the diagonal over (b, h, i), as _diagonal(jac, "bhiebhid->bhied")
+        diag = np.ndarray((B, H, Lq, Dv, shape[-1]), jac.dtype, jac, 0,
+                          (st[0] + st[4], st[1] + st[5], st[2] + st[6], st[3], st[7]))  # (B, H, Lq, Dv, D)
+        kern["q"](q, k, v, G, *rargs, diag, outs)  # (J6, JD1, JD2)
+        return jac
+    grouped = jac.reshape(B, Hkv, G, Lq, Dv, B, Hkv, Lk, shape[-1])  # a view: h = (hk, g)
+    if wrt == "k":
+        kern["k"](q, k, v, G, *rargs, _diagonal(grouped, "bkgiebkjd->bkgiejd"), outs)  # (J7, JD1, JD3)
+        return jac
+    kept = np.zeros((B, H, Lq, Lk))
+    kern["p"](q, k, v, G, *rargs, kept, outs)  # P̃ (J8, V3)
+    _diagonal(grouped, "bkgiebkje->bkgije")[...] = kept.reshape(B, Hkv, G, Lq, Lk, 1)  # (J8, JD1) e = e'
+    return jac
+
+
 def mha_jacobian(params, query, key=None, value=None, *, wrt: str = "query", convention: str = "row",
                  method: str = "closed", chunk: int = 256, **kwargs):
     """d Y / d wrt for the layer, shape Y.shape + wrt.shape.
@@ -202,6 +235,9 @@ def mha_jacobian(params, query, key=None, value=None, *, wrt: str = "query", con
     closed = method == "closed" and wrt in params
     kwargs = {**kwargs, "who": "mha_jacobian", "kind": "closed" if closed else "jvp"}
     if closed:
+        kern = row_kernels()
+        if kern is not None:
+            return _layer_param_rows(kern, layer_structure(params, query, key, value, **kwargs), params, wrt)
         return _layer_param_blocks(layer_primal(params, query, key, value, **kwargs), params, wrt)
     base = layer_jvp_parts(params, query, key, value, **kwargs)
 
@@ -218,35 +254,107 @@ def _layer_param_blocks(r, params, wrt: str):
     query head h reads kv head h // G, so the K and V terms are summed over each group."""
     a, (xq, xk, xv) = r.attn, r.sources
     B, H, Lq, D = a.q.shape
-    G = a.group
-    Hkv, Dv = H // G, a.v.shape[3]
     wo = params["W_o"]
     E = wo.shape[1]
-    wo_h = wo.reshape(H, Dv, E)  # (H, Dv, E): rows of W^O read by head h
-    if wrt == "W_o":  # ∂Y_ie/∂W^O_fe' = C_if δ_ee'
-        jac = np.zeros((B, Lq, E, H * Dv, E))
-        _diagonal(jac, "biefe->bief")[...] = merge_heads(np, a.out)[:, :, None, :]  # (M3, J9, JD1) e = e'
-        return jac
-    if wrt == "b_o":  # ∂Y_ie/∂b^O_e' = δ_ee'
-        return np.broadcast_to(np.eye(E), (B, Lq, E, E)).copy()
-    if wrt in ("W_v", "b_v"):  # (J8, V3) through W^O: Σ_g (P̃ X_v)_ia W^O_h,ve
-        kept = _kept(a, a.p)  # (B, H, Lq, Lk)
-        wo_g = np.reshape(wo_h, (Hkv, G, Dv, E))  # h = (hk, g)
-        if wrt == "b_v":
-            rows = np.reshape(np.sum(kept, axis=-1), (B, Hkv, G, Lq))  # (JD5) rowsum(P̃)
-            return np.reshape(np.einsum("bkgi,kgve->biekv", rows, wo_g), (B, Lq, E, Hkv * Dv))
-        px = np.reshape(kept @ xv[:, None], (B, Hkv, G, Lq, xv.shape[-1]))  # (JD5) P̃ X_v (B, Hkv, G, Lq, Ev)
-        return np.reshape(np.einsum("bkgia,kgve->bieakv", px, wo_g), (B, Lq, E, xv.shape[-1], Hkv * Dv))
+    wo_h = wo.reshape(H, a.v.shape[3], E)  # (H, Dv, E): rows of W^O read by head h
+    if wrt == "W_o":
+        return _wo_blocks(a.out, E)
+    if wrt == "b_o":
+        return _bo_blocks(B, Lq, E)
+    if wrt in ("W_v", "b_v"):
+        return _v_blocks(_kept(a, a.p), xv, wo_h, a.group, wrt)
     u = a.v @ wo_h  # (JD4) U_h = V_h W^O_h (B, H, Lk, E)
     ubar = a.out @ wo_h  # (JD4) Ū_h = O_h W^O_h (B, H, Lq, E)
     if wrt in ("W_q", "b_q"):
         t = _q_block(a, u, ubar).transpose(0, 2, 3, 1, 4).reshape(B, Lq, E, H * D)  # (J6, JD4) ∂Y_ie/∂Q_i,(h,d)
+        return _q_blocks(t, xq, wrt)
+    return _k_blocks(_k_coeff(a, u, ubar), a.q, xk, a.group, wrt)  # (J7, JD4) s (P̃ U − W Ū)
+
+
+def _layer_param_rows(kern, st, params, wrt: str):
+    """:func:`_layer_param_blocks` with the compiled row kernels (:mod:`.rows`) in place
+    of the attention primal and its blocks (J6)-(J8); the contractions (JD5) are the same
+    functions.  ``st``: the :class:`~.jvp.LayerStructure`."""
+    q, k, v = st.heads  # (B, H, Lq, D), (B, Hkv, Lk, D), (B, Hkv, Lk, Dv)
+    xq, xk, xv = st.sources
+    B, H, Lq, D = q.shape
+    Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    wo = params["W_o"]
+    E = wo.shape[1]
+    if wrt == "b_o":
+        return _bo_blocks(B, Lq, E)
+    G = H // Hkv if Hkv else 1
+    wo_h = wo.reshape(H, Dv, E)  # (H, Dv, E): rows of W^O read by head h
+    rargs = row_args(st.allowed, st.scale, st.variants)
+    if wrt in ("W_o", "W_v", "b_v"):
+        kept, o = np.zeros((B, H, Lq, Lk)), np.empty((B, H, Lq, Dv))
+        if kept.size or o.size:
+            kern["p"](q, k, v, G, *rargs, kept, o)  # P̃ (J8, V3) and O (A3)
+        if wrt == "W_o":
+            return _wo_blocks(o, E)
+        return _v_blocks(kept, xv, wo_h, G, wrt)
+    u = np.reshape(v[:, :, None] @ np.reshape(wo_h, (Hkv, G, Dv, E)), (B, H, Lk, E))  # (JD4) U_h = V_h W^O_h
+    ubar = np.empty((B, H, Lq, E))  # (JD4) Ū_h = P̃ U_h, from the kernel
+    if wrt in ("W_q", "b_q"):
+        t = np.zeros((B, Lq, E, H, D))  # ∂Y_ie/∂Q_i,(h,d)
+        if t.size:
+            kern["q"](q, k, u, 1, *rargs, t.transpose(0, 3, 1, 2, 4), ubar)  # (J6, JD4) written as (B, H, Lq, E, D)
+        t = t.reshape(B, Lq, E, H * D)
         if wrt == "b_q":
-            return t
-        return t[:, :, :, None, :] * xq[:, :, None, :, None]  # (JD5) T_ie,(h,d) X_ia (B, Lq, E, Eq, H*D)
-    coeff = _k_coeff(a, u, ubar)  # (J7, JD4) s (P̃ U − W Ū) (B, H, Lq, E, Lk)
-    q_g = np.reshape(a.q, (B, Hkv, G, Lq, D))  # h = (hk, g)
-    if wrt == "b_k":  # (JD5) Σ_g rowsum_j(coeff) Q_id
+            return _q_blocks(t, xq, wrt)
+        jac = np.empty((B, Lq, E, xq.shape[2], H * D))
+        kern["outer"](t, xq, jac)  # (JD5) T_ie,(h,d) X_ia, as _q_blocks
+        return jac
+    coeff = np.zeros((B, H, Lq, E, Lk))
+    if coeff.size:
+        kern["coeff"](q, k, u, 1, *rargs, coeff, ubar)  # (J7, JD4) s (P̃ U − W Ū)
+    if st.allowed is not None:  # rows with no key: Q does not reach Y (as attention_primal's zeroed rows)
+        q = np.where(_any(st.allowed, -1), q, 0.0)
+    return _k_blocks(coeff, q, xk, G, wrt)
+
+
+def _wo_blocks(out, E: int):
+    """∂Y_ie/∂W^O_fe' = C_if δ_ee' (M3, J9, JD1), from O (B, H, Lq, Dv)."""
+    c = merge_heads(np, out)  # (B, Lq, H*Dv)
+    B, Lq, HDv = c.shape
+    jac = np.zeros((B, Lq, E, HDv, E))
+    _diagonal(jac, "biefe->bief")[...] = c[:, :, None, :]  # e = e'
+    return jac
+
+
+def _bo_blocks(B: int, Lq: int, E: int):
+    """∂Y_ie/∂b^O_e' = δ_ee'."""
+    return np.broadcast_to(np.eye(E), (B, Lq, E, E)).copy()
+
+
+def _v_blocks(kept, xv, wo_h, G: int, wrt: str):
+    """(J8, V3) through W^O: Σ_g (P̃ X_v)_ia W^O_h,ve (JD5), from P̃ (B, H, Lq, Lk)."""
+    B, H, Lq, _ = kept.shape
+    Dv, E = wo_h.shape[1:]
+    Hkv = H // G
+    wo_g = np.reshape(wo_h, (Hkv, G, Dv, E))  # h = (hk, g)
+    if wrt == "b_v":
+        rows = np.reshape(np.sum(kept, axis=-1), (B, Hkv, G, Lq))  # (JD5) rowsum(P̃)
+        return np.reshape(np.einsum("bkgi,kgve->biekv", rows, wo_g), (B, Lq, E, Hkv * Dv))
+    px = np.reshape(kept @ xv[:, None], (B, Hkv, G, Lq, xv.shape[-1]))  # (JD5) P̃ X_v (B, Hkv, G, Lq, Ev)
+    return np.reshape(np.einsum("bkgia,kgve->bieakv", px, wo_g), (B, Lq, E, xv.shape[-1], Hkv * Dv))
+
+
+def _q_blocks(t, xq, wrt: str):
+    """From T = ∂Y_ie/∂Q_i,(h,d) (B, Lq, E, H*D): b^Q's Jacobian T, W^Q's T_ie,(h,d) X_ia (JD5)."""
+    if wrt == "b_q":
+        return t
+    return t[:, :, :, None, :] * xq[:, :, None, :, None]  # (JD5) (B, Lq, E, Eq, H*D)
+
+
+def _k_blocks(coeff, q, xk, G: int, wrt: str):
+    """(JD5) from coeff = s (P̃ U − W Ū) (B, H, Lq, E, Lk) and Q (B, H, Lq, D), summed
+    over each group: b^K's Σ_g rowsum_j(coeff) Q_id, W^K's Σ_g Σ_j coeff X_k,ja Q_id."""
+    B, H, Lq, E, _ = coeff.shape
+    D = q.shape[3]
+    Hkv = H // G
+    q_g = np.reshape(q, (B, Hkv, G, Lq, D))  # h = (hk, g)
+    if wrt == "b_k":
         rows = np.reshape(np.sum(coeff, axis=-1), (B, Hkv, G, Lq, E))
         return np.reshape(np.einsum("bkgie,bkgid->biekd", rows, q_g), (B, Lq, E, Hkv * D))
     ek = xk.shape[-1]

@@ -271,30 +271,56 @@ def _projections(params, srcs) -> tuple:
     return y[..., :nq], y[..., nq:nq + nk], y[..., nq + nk:]
 
 
-def _layer_primal(params, srcs, H, Hkv, *, mask, key_lengths, key_mask, causal, scale, variants, who,
-                  kind) -> LayerPrimal:
-    """(M1)-(M2) on checked params and inputs: the projections and attention per head."""
+class LayerStructure(NamedTuple):
+    """The validated layer before attention: what the closed-form layer Jacobians read
+    besides the attention primal (the compiled row kernels of :mod:`.rows` form that
+    primal themselves)."""
+
+    sources: tuple  # (X_q, X_k, X_v) primal inputs, (B, L, ·)
+    heads: tuple  # Q (B, H, Lq, D), K (B, Hkv, Lk, D), V (B, Hkv, Lk, Dv): (M1) split into heads
+    allowed: np.ndarray | None  # (b|1, h|1, Lq, Lk) bool, None: all allowed
+    scale: float
+    variants: LogitVariants
+
+
+def _layer_structure(params, srcs, H, Hkv, *, mask, key_lengths, key_mask, causal, scale, variants, who,
+                     kind) -> LayerStructure:
+    """(M1) on checked params and inputs: the projections split into heads, and the
+    attention's validated structure."""
     q, k, v = _projections(params, srcs)  # (M1) (B, L, heads*D)
     heads = (split_heads(np, q, H), split_heads(np, k, Hkv), split_heads(np, v, Hkv))  # (M1)
     _, allowed, s, var = attention_structure(*heads, mask=mask, key_lengths=key_lengths, key_mask=key_mask,
                                              causal=causal, scale=scale, variants=variants, who=who, kind=kind)
-    return LayerPrimal(srcs, attention_primal(*heads, allowed, s, var))  # (A1)-(A3) per head
+    return LayerStructure(srcs, heads, allowed, s, var)
 
 
-def layer_primal(params, query, key=None, value=None, *, num_heads, num_kv_heads=None, mask=None,
-                 key_lengths=None, key_mask=None, causal=False, scale=None, bias=None, softcap=None, sinks=None,
-                 alibi_slopes=None, window=None, q_segment_ids=None, kv_segment_ids=None, dropout_p=0.0,
-                 dropout_seed=None, scale_grad=False, who: str = "mha_jacobian",
-                 kind: str = "closed") -> LayerPrimal:
-    """The layer's forward as the closed-form Jacobians read it, validated as
-    :func:`layer_jvp_parts` validates (same keywords, no tangents)."""
+def _layer_primal(params, srcs, H, Hkv, **kwargs) -> LayerPrimal:
+    """(M1)-(M2) on checked params and inputs: the projections and attention per head."""
+    st = _layer_structure(params, srcs, H, Hkv, **kwargs)
+    return LayerPrimal(srcs, attention_primal(*st.heads, st.allowed, st.scale, st.variants))  # (A1)-(A3)
+
+
+def layer_structure(params, query, key=None, value=None, *, num_heads, num_kv_heads=None, mask=None,
+                    key_lengths=None, key_mask=None, causal=False, scale=None, bias=None, softcap=None,
+                    sinks=None, alibi_slopes=None, window=None, q_segment_ids=None, kv_segment_ids=None,
+                    dropout_p=0.0, dropout_seed=None, scale_grad=False, who: str = "mha_jacobian",
+                    kind: str = "closed") -> LayerStructure:
+    """The layer validated as :func:`layer_jvp_parts` validates it (same keywords, no
+    tangents), up to the attention's structure."""
     variants = {"bias": bias, "softcap": softcap, "sinks": sinks, "alibi_slopes": alibi_slopes, "window": window,
                 "q_segment_ids": q_segment_ids, "kv_segment_ids": kv_segment_ids, "dropout_p": dropout_p,
                 "dropout_seed": dropout_seed, "scale_grad": scale_grad}
     refuse_unsupported(who, kind, variants)  # before any other work
     H, Hkv, _, srcs = check_layer(params, query, key, value, num_heads, num_kv_heads)
-    return _layer_primal(params, srcs, H, Hkv, mask=mask, key_lengths=key_lengths, key_mask=key_mask,
-                         causal=causal, scale=scale, variants=variants, who=who, kind=kind)
+    return _layer_structure(params, srcs, H, Hkv, mask=mask, key_lengths=key_lengths, key_mask=key_mask,
+                            causal=causal, scale=scale, variants=variants, who=who, kind=kind)
+
+
+def layer_primal(params, query, key=None, value=None, **kwargs) -> LayerPrimal:
+    """The layer's forward as the closed-form Jacobians read it: :func:`layer_structure`
+    (same keywords) and the attention primal (A1)-(A3) per head."""
+    st = layer_structure(params, query, key, value, **kwargs)
+    return LayerPrimal(st.sources, attention_primal(*st.heads, st.allowed, st.scale, st.variants))
 
 
 def layer_jvp_parts(params, query, key=None, value=None, *, tangents=None, num_heads, num_kv_heads=None,

@@ -1,0 +1,206 @@
+"""The compiled row kernel of the closed-form Jacobians (imported only through
+:mod:`.rows`; needs numba).
+
+One pass per query row (b, h, i) forms that row of the primal, (A1)-(A3) with the
+variants (V1)-(V4) as fixed values, and writes the row's part of (JD2), (JD3) or (J8),
+so that a small Jacobian costs one call instead of a few dozen NumPy calls (at the sizes
+these tools are for, the calls, not the flops, are the cost).  No fast-math: the sums
+run in the written order, float64.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+
+_jit = numba.njit(nogil=True, cache=True)
+
+
+@_jit
+def _pick(n, i):
+    """Index i on an axis of length n that broadcasts (n == 1 -> 0)."""
+    return i if n > 1 else 0
+
+
+@_jit
+def _row(q, k, vals, vgroup, allowed, add, sinks, softcap, keep, scale, b, h, i, p_row, w_row, z_row, outs):
+    """Row (b, h, i) of the primal: P (A2, V2) into ``p_row``, W = P ∘ (1 − t²) (V1) into
+    ``w_row``, Z/(1 − p) (V3) into ``z_row`` (allowed keys only) and P̃ vals (A3) into
+    ``outs[b, h, i]``.  Returns False when the row has no allowed key (P = 0, outs 0)."""
+    D = q.shape[3]
+    Lk = k.shape[2]
+    F = vals.shape[3]
+    hk, hv = h // (q.shape[1] // k.shape[1]), h // vgroup
+    ba, ha, ia = _pick(allowed.shape[0], b), _pick(allowed.shape[1], h), _pick(allowed.shape[2], i)
+    bd, hd, id_ = _pick(add.shape[0], b), _pick(add.shape[1], h), _pick(add.shape[2], i)
+    bz, hz, iz = _pick(keep.shape[0], b), _pick(keep.shape[1], h), _pick(keep.shape[2], i)
+    m = -math.inf
+    found = False
+    for j in range(Lk):
+        if not allowed[ba, ha, ia, j]:
+            continue
+        found = True
+        acc = 0.0
+        for d in range(D):
+            acc += q[b, h, i, d] * k[b, hk, j, d]
+        s = scale * acc  # (A1)
+        w_row[j] = 1.0
+        if softcap > 0.0:
+            t = math.tanh(s / softcap)  # (V1)
+            s = softcap * t
+            w_row[j] = 1.0 - t * t
+        s += add[bd, hd, id_, _pick(add.shape[3], j)]  # (A1, V4)
+        p_row[j] = s
+        z_row[j] = keep[bz, hz, iz, _pick(keep.shape[3], j)]  # (V3)
+        if s > m:
+            m = s
+    for f in range(F):
+        outs[b, h, i, f] = 0.0
+    if not found:
+        return False
+    if sinks.shape[0] > 0 and sinks[h] > m:
+        m = sinks[h]  # the sink joins the row max (V2)
+    if not math.isfinite(m):
+        m = 0.0
+    z = 0.0
+    for j in range(Lk):
+        if allowed[ba, ha, ia, j]:
+            e = math.exp(p_row[j] - m)
+            p_row[j] = e
+            z += e
+    if sinks.shape[0] > 0:
+        z += math.exp(sinks[h] - m)  # (V2)
+    if not z > 0.0:
+        z = 1.0
+    for j in range(Lk):
+        if allowed[ba, ha, ia, j]:
+            p = p_row[j] / z  # (A2)
+            p_row[j] = p
+            w_row[j] *= p  # (V1) W = P (1 − t²)
+            pk = p * z_row[j]  # (V3) P̃
+            for f in range(F):
+                outs[b, h, i, f] += pk * vals[b, hv, j, f]  # (A3)
+    return True
+
+
+@_jit
+def q_rows(q, k, vals, vgroup, allowed, add, sinks, softcap, keep, scale, out, outs):
+    """(JD2) out[b, h, i, f, d] = s Σ_j (W̃_ij vals_jf − W_ij outs_if) K_jd   (J6), out
+    (B, H, Lq, F, D), any strides (e.g. the Jacobian's diagonal), zeros on entry.
+
+    Arguments as :func:`_row`: q (B, H, Lq, D); k (B, Hkv, Lk, D), query head h reads kv
+    head h // (H / Hkv); vals (B, H / vgroup, Lk, F), head h reads h // vgroup; allowed
+    (b|1, h|1, Lq|1, Lk) bool; add (b|1, h|1, Lq|1, Lk|1) (zeros: none); sinks (H,), or
+    (0,) for none; softcap c > 0, or 0 for none; keep Z/(1 − p) (B|1, H|1, Lq|1, Lk|1)
+    (ones: none); W̃ = W ∘ Z/(1 − p).  ``outs`` (B, H, Lq, F) receives P̃ vals."""
+    B, H, Lq, D = q.shape
+    Lk = k.shape[2]
+    F = vals.shape[3]
+    hk_div = H // k.shape[1]
+    p_row, w_row, z_row = np.empty(Lk), np.empty(Lk), np.empty(Lk)
+    for b in range(B):
+        for h in range(H):
+            hk, hv = h // hk_div, h // vgroup
+            ha = _pick(allowed.shape[1], h)
+            for i in range(Lq):
+                if not _row(q, k, vals, vgroup, allowed, add, sinks, softcap, keep, scale, b, h, i,
+                            p_row, w_row, z_row, outs):
+                    continue
+                ba, ia = _pick(allowed.shape[0], b), _pick(allowed.shape[2], i)
+                for f in range(F):
+                    o = outs[b, h, i, f]
+                    for d in range(D):
+                        acc = 0.0
+                        for j in range(Lk):
+                            if allowed[ba, ha, ia, j]:
+                                acc += (w_row[j] * z_row[j] * vals[b, hv, j, f] - w_row[j] * o) * k[b, hk, j, d]
+                        out[b, h, i, f, d] = scale * acc  # (JD2)
+
+
+@_jit
+def coeff_rows(q, k, vals, vgroup, allowed, add, sinks, softcap, keep, scale, out, outs):
+    """(JD3) out[b, h, i, f, j] = s (W̃_ij vals_jf − W_ij outs_if)   (J7 without Q), out
+    (B, H, Lq, F, Lk), zeros on entry; arguments as :func:`q_rows`."""
+    B, H, Lq, _ = q.shape
+    Lk = k.shape[2]
+    F = vals.shape[3]
+    p_row, w_row, z_row = np.empty(Lk), np.empty(Lk), np.empty(Lk)
+    for b in range(B):
+        for h in range(H):
+            hv = h // vgroup
+            ha = _pick(allowed.shape[1], h)
+            for i in range(Lq):
+                if not _row(q, k, vals, vgroup, allowed, add, sinks, softcap, keep, scale, b, h, i,
+                            p_row, w_row, z_row, outs):
+                    continue
+                ba, ia = _pick(allowed.shape[0], b), _pick(allowed.shape[2], i)
+                for f in range(F):
+                    o = outs[b, h, i, f]
+                    for j in range(Lk):
+                        if allowed[ba, ha, ia, j]:
+                            out[b, h, i, f, j] = scale * (w_row[j] * z_row[j] * vals[b, hv, j, f] - w_row[j] * o)
+
+
+@_jit
+def k_rows(q, k, vals, vgroup, allowed, add, sinks, softcap, keep, scale, out, outs):
+    """(JD3) out[b, hk, g, i, f, j, d] = s (W̃_ij vals_jf − W_ij outs_if) Q_id   (J7),
+    h = hk G + g; out (B, Hkv, G, Lq, F, Lk, D), any strides (the Jacobian's diagonal),
+    zeros on entry; arguments as :func:`q_rows`."""
+    B, H, Lq, D = q.shape
+    Lk = k.shape[2]
+    F = vals.shape[3]
+    G = H // k.shape[1]
+    p_row, w_row, z_row = np.empty(Lk), np.empty(Lk), np.empty(Lk)
+    for b in range(B):
+        for h in range(H):
+            hv = h // vgroup
+            ha = _pick(allowed.shape[1], h)
+            for i in range(Lq):
+                if not _row(q, k, vals, vgroup, allowed, add, sinks, softcap, keep, scale, b, h, i,
+                            p_row, w_row, z_row, outs):
+                    continue
+                ba, ia = _pick(allowed.shape[0], b), _pick(allowed.shape[2], i)
+                for f in range(F):
+                    o = outs[b, h, i, f]
+                    for j in range(Lk):
+                        if allowed[ba, ha, ia, j]:
+                            c = scale * (w_row[j] * z_row[j] * vals[b, hv, j, f] - w_row[j] * o)
+                            for d in range(D):
+                                out[b, h // G, h % G, i, f, j, d] = c * q[b, h, i, d]  # (JD3)
+
+
+@_jit
+def p_rows(q, k, vals, vgroup, allowed, add, sinks, softcap, keep, scale, out, outs):
+    """(J8) out[b, h, i, j] = P̃_ij, out (B, H, Lq, Lk), zeros on entry; arguments as
+    :func:`q_rows`."""
+    B, H, Lq, _ = q.shape
+    Lk = k.shape[2]
+    p_row, w_row, z_row = np.empty(Lk), np.empty(Lk), np.empty(Lk)
+    for b in range(B):
+        for h in range(H):
+            ha = _pick(allowed.shape[1], h)
+            for i in range(Lq):
+                if not _row(q, k, vals, vgroup, allowed, add, sinks, softcap, keep, scale, b, h, i,
+                            p_row, w_row, z_row, outs):
+                    continue
+                ba, ia = _pick(allowed.shape[0], b), _pick(allowed.shape[2], i)
+                for j in range(Lk):
+                    if allowed[ba, ha, ia, j]:
+                        out[b, h, i, j] = p_row[j] * z_row[j]  # (J8, V3)
+
+
+@_jit
+def outer_rows(t, x, out):
+    """(JD5) out[b, i, e, a, c] = t[b, i, e, c] x[b, i, a]: t (B, Lq, E, C), x (B, Lq, A),
+    out (B, Lq, E, A, C), every entry written."""
+    B, Lq, E, C = t.shape
+    A = x.shape[2]
+    for b in range(B):
+        for i in range(Lq):
+            for e in range(E):
+                for a in range(A):
+                    xa = x[b, i, a]
+                    for c in range(C):
+                        out[b, i, e, a, c] = t[b, i, e, c] * xa

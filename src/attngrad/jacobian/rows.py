@@ -1,0 +1,58 @@
+"""The compiled row kernels of the closed-form Jacobians (:mod:`._kernels`), when numba
+is available and ``ATTNGRAD_NO_NUMBA`` is unset (the switch of :func:`attngrad.core.fused.enabled`).
+
+At the sizes the Jacobian tools are for, the closed form's cost is its NumPy calls, not
+its flops: one kernel call forms the primal of every query row and writes that row's
+blocks, in place of the primal (A1)-(A3) and the blocks (JD2)-(JD3) as array operations.
+The NumPy form (:func:`.jvp.attention_primal` and :mod:`.full`'s blocks) stays the
+reference, and the tests hold the two equal.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..core import fused
+from .variants import LogitVariants
+
+_KERNELS = None  # {"q": ..., "k": ..., "coeff": ..., "p": ..., "outer": ...}, False when numba is missing
+
+# the kernels' "no variant" values: read, never written
+_ALL = np.ones((1, 1, 1, 1), bool)  # every key allowed
+_NO_ADD = np.zeros((1, 1, 1, 1))  # no bias, no ALiBi
+_NO_KEEP = np.ones((1, 1, 1, 1))  # no dropout
+_NO_SINKS = np.zeros(0)
+
+
+def row_kernels() -> dict | None:
+    """The compiled kernels by name, or None (numba missing or switched off)."""
+    global _KERNELS
+    if not fused.enabled():
+        return None
+    if _KERNELS is None:
+        try:
+            from . import _kernels as m
+        except ImportError:  # pragma: no cover - fused.enabled() already imported numba
+            _KERNELS = False
+        else:
+            _KERNELS = {"q": m.q_rows, "k": m.k_rows, "coeff": m.coeff_rows, "p": m.p_rows,
+                        "outer": m.outer_rows}
+    return _KERNELS or None
+
+
+def _four(a: np.ndarray) -> np.ndarray:
+    """``a`` with leading axes of length 1 up to four axes (a view)."""
+    return a if a.ndim == 4 else a.reshape((1,) * (4 - a.ndim) + a.shape)
+
+
+def row_args(allowed, scale, var: LogitVariants) -> tuple:
+    """The kernels' (allowed, add, sinks, softcap, keep, scale) for a validated problem:
+    ``allowed`` and ``var`` as :func:`.jvp.attention_structure` returns them."""
+    return (
+        _ALL if allowed is None else _four(allowed),
+        _NO_ADD if var.add is None else _four(var.add),
+        _NO_SINKS if var.sinks is None else var.sinks.reshape(-1),
+        0.0 if var.softcap is None else float(var.softcap),
+        _NO_KEEP if var.keep is None else _four(var.keep),
+        float(scale),
+    )
