@@ -20,27 +20,39 @@ import numpy as np
 from .core._xp import Array
 
 
+def _shape_ops(xp, x):
+    """(reshape, permute_dims) for ``x``: the ndarray methods for a NumPy array (the
+    np.reshape / np.permute_dims wrappers cost ~1 us a call, most of a small layer's
+    plumbing), else the namespace's functions."""
+    if type(x) is np.ndarray:
+        return np.ndarray.reshape, np.ndarray.transpose
+    return xp.reshape, xp.permute_dims
+
+
 def split_heads(xp, x: Array, heads: int) -> Array:
     """(..., B, L, heads*D) -> (..., B, heads, L, D)."""
+    reshape, permute_dims = _shape_ops(xp, x)
     *lead, n_l, hd = x.shape
-    y = xp.reshape(x, (*lead, n_l, heads, hd // heads))  # (..., B, L, heads, D)
+    y = reshape(x, (*lead, n_l, heads, hd // heads))  # (..., B, L, heads, D)
     n = len(lead)
-    return xp.permute_dims(y, (*range(n), n + 1, n, n + 2))  # (..., B, heads, L, D)
+    return permute_dims(y, (*range(n), n + 1, n, n + 2))  # (..., B, heads, L, D)
 
 
 def merge_heads(xp, x: Array) -> Array:
     """(..., B, heads, L, D) -> (..., B, L, heads*D)."""
+    reshape, permute_dims = _shape_ops(xp, x)
     *lead, h, n_l, d = x.shape
     n = len(lead)
-    y = xp.permute_dims(x, (*range(n), n + 1, n, n + 2))  # (..., B, L, heads, D)
-    return xp.reshape(y, (*lead, n_l, h * d))  # (..., B, L, heads*D)
+    y = permute_dims(x, (*range(n), n + 1, n, n + 2))  # (..., B, L, heads, D)
+    return reshape(y, (*lead, n_l, h * d))  # (..., B, L, heads*D)
 
 
 def project(xp, x: Array, w: Array, b: Array | None = None) -> Array:
     """X (..., in) @ W (in, out) + b -> (..., out), as one 2-D GEMM over all leading axes
     (faster than a batched one).  Returns a new array."""
+    reshape = _shape_ops(xp, x)[0]
     *lead, n_in = x.shape
-    y = xp.reshape(xp.reshape(x, (math.prod(lead), n_in)) @ w, (*lead, w.shape[1]))  # (F1) (..., out)
+    y = reshape(reshape(x, (math.prod(lead), n_in)) @ w, (*lead, w.shape[1]))  # (F1) (..., out)
     if b is None:
         return y
     if isinstance(y, np.ndarray) and y.dtype == np.result_type(y, b):

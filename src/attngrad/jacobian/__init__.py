@@ -6,7 +6,9 @@
   (``method="jvp"``; the layer's inputs), row or column convention;
 - :func:`sdpa_hvp`, :func:`mha_hvp`: Hessian-vector products (H1)-(H9) of a scalar loss.
 
-NumPy float64 throughout: these are references for checking, for small sizes.
+NumPy float64 throughout: these are references for checking, for small sizes.  With
+the ``fast`` extra (numba) the closed-form Jacobians run their blocks through compiled
+row kernels (:mod:`.rows`); the NumPy form is the fallback and the tests hold the two equal.
 
 Today's variants (V1-V7, :mod:`.variants`): every function takes sdpa_forward's variant
 keywords by name; the JVPs, Jacobians and HVPs carry all of them (soft-cap, sinks, bias,

@@ -222,7 +222,8 @@ def mha_jacobian(params, query, key=None, value=None, *, wrt: str = "query", con
                              ((query, "query"), (key, "key"), (value, "value")))
         jac = mha_jacobian(params, query, key, value, wrt=wrt, method=method, chunk=chunk, **kwargs)
         return jacobian_to_columns(jac, wrt)
-    check_param_arrays(params)
+    if not hasattr(params, "keys"):  # the rest of check_param_arrays runs in the layer's checks below
+        check_param_arrays(params)
     inputs = {"query": query, "key": key, "value": value}
     _check_choice("wrt", wrt, (*inputs, *params))
     if wrt in inputs:
@@ -293,7 +294,7 @@ def _layer_param_rows(kern, st, params, wrt: str):
         if wrt == "W_o":
             return _wo_blocks(o, E)
         return _v_blocks(kept, xv, wo_h, G, wrt)
-    u = np.reshape(v[:, :, None] @ np.reshape(wo_h, (Hkv, G, Dv, E)), (B, H, Lk, E))  # (JD4) U_h = V_h W^O_h
+    u = (v[:, :, None] @ wo_h.reshape(Hkv, G, Dv, E)).reshape(B, H, Lk, E)  # (JD4) U_h = V_h W^O_h
     ubar = np.empty((B, H, Lq, E))  # (JD4) Ū_h = P̃ U_h, from the kernel
     if wrt in ("W_q", "b_q"):
         t = np.zeros((B, Lq, E, H, D))  # ∂Y_ie/∂Q_i,(h,d)
