@@ -35,3 +35,31 @@ def test_threads_have_their_own_buffers():
     t.start()
     t.join()
     assert not np.shares_memory(mine, theirs[0])
+
+
+def test_the_layer_backward_is_the_same_with_fresh_temporaries(monkeypatch):
+    """The dense core's dP and the layer's merged head gradients share the SEQUENTIAL
+    buffer, one after the other: the gradients equal (bitwise) those computed with every
+    temporary allocated afresh (MAX_BYTES = 0), for self- and cross-attention, twice in a
+    row (a second call must not read what the first left in the buffer)."""
+    from attngrad import init_mha_params, mha_backward, mha_forward
+
+    rng = np.random.default_rng(0)
+    params = init_mha_params(16, 4, num_kv_heads=2, dtype="float32", rng=1)
+    x = rng.standard_normal((2, 7, 16)).astype(np.float32)
+    m = rng.standard_normal((2, 5, 16)).astype(np.float32)
+    dy = rng.standard_normal((2, 7, 16)).astype(np.float32)
+
+    def grads(kv):
+        _, cache = mha_forward(params, x, kv, num_heads=4, num_kv_heads=2, impl="dense")
+        return mha_backward(dy, cache)
+
+    runs = {}
+    for label, limit in (("reused", workspace.MAX_BYTES), ("fresh", 0)):
+        monkeypatch.setattr(workspace, "MAX_BYTES", limit)
+        runs[label] = [grads(kv) for kv in (None, m, None)]
+    for (ri, rg), (fi, fg) in zip(runs["reused"], runs["fresh"], strict=True):
+        for got, want in ((ri, fi), (rg, fg)):
+            assert set(got) == set(want)
+            for name in got:
+                assert np.array_equal(got[name], want[name]), name

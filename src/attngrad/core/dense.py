@@ -20,7 +20,7 @@ from .dropout import keep_heads
 from .logits import alibi_grad_distance, form_logits, softcap_backward
 from .parallel import exp_inplace
 from .problem import Problem, SDPAShape, problem_views
-from .workspace import scratch
+from .workspace import SEQUENTIAL, scratch
 
 
 @problem_views
@@ -236,7 +236,7 @@ def _dp_product(xp, do, v, prob: Problem):
     itself; no dropout, which forms dP anew), else a fresh array."""
     vt = xp.matrix_transpose(v)
     if xp is np and prob.bias is None and not prob.dropout:
-        buf = scratch("dense.dp", (*do.shape[:-1], v.shape[-2]), do.dtype)
+        buf = scratch(SEQUENTIAL, (*do.shape[:-1], v.shape[-2]), do.dtype)
         if buf is not None:
             return np.matmul(do, vt, out=buf)
     return do @ vt

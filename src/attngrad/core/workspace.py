@@ -9,7 +9,9 @@ calls, up to MAX_BYTES each (the sizes at which ``impl="auto"`` picks the dense 
 
 Rules for a caller: a buffer is only a temporary of one call (nothing returned and
 nothing cached may be a view of it), and each use site has its own ``key``, so two
-temporaries alive at once never share memory.  Threads have their own buffers.
+temporaries alive at once never share memory; the one exception is :data:`SEQUENTIAL`,
+shared by sites that are never alive at once (each is dead before the next starts).
+Threads have their own buffers.
 """
 
 from __future__ import annotations
@@ -20,6 +22,12 @@ import threading
 import numpy as np
 
 MAX_BYTES = 1 << 26  # 64 MiB per buffer; larger temporaries are allocated afresh
+
+# The key shared by the layer backward's two large temporaries, one after the other: the
+# dense core's dP (dead when sdpa_backward returns) and then the projections' merged
+# heads (mha._projections_backward).  One buffer instead of two: the layer's peak memory
+# is that of the larger, not of both (B=4, N=256, E=512: 8 MB, not 8 + 6).
+SEQUENTIAL = "sequential"
 _LOCAL = threading.local()
 
 

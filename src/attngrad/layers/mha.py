@@ -23,7 +23,7 @@ import numpy as np
 
 from ..core._xp import Array, check_array, check_float_dtypes, dtype_name, namespace
 from ..core.sdpa import SDPACache, sdpa_backward, sdpa_forward
-from ..core.workspace import scratch
+from ..core.workspace import SEQUENTIAL, scratch
 from ..ops import bias_grad, merge_heads, project, split_heads, weight_grad
 from .qk_prep import NORM_WEIGHTS, QKPrepCache, check_qk_options, qk_prep_backward, qk_prep_forward
 
@@ -325,7 +325,7 @@ def _projections_backward(xp, x, dheads, names, p) -> tuple:
     grads = {}
     if xp is np and len(dheads) > 1:
         widths = [d.shape[1] * d.shape[3] for d in dheads]
-        buf = scratch("mha.dproj", (B, L, sum(widths)), dheads[0].dtype)  # (B, L, sum heads*d) a temporary
+        buf = scratch(SEQUENTIAL, (B, L, sum(widths)), dheads[0].dtype)  # (B, L, sum heads*d) a temporary
         buf = np.empty((B, L, sum(widths)), dtype=dheads[0].dtype) if buf is None else buf
         off = 0
         for d, w in zip(dheads, widths, strict=True):
