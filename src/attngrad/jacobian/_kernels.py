@@ -1,11 +1,13 @@
-"""The compiled row kernel of the closed-form Jacobians (imported only through
+"""The compiled row kernels of the closed-form Jacobians (imported only through
 :mod:`.rows`; needs numba).
 
 One pass per query row (b, h, i) forms that row of the primal, (A1)-(A3) with the
-variants (V1)-(V4) as fixed values, and writes the row's part of (JD2), (JD3) or (J8),
-so that a small Jacobian costs one call instead of a few dozen NumPy calls (at the sizes
-these tools are for, the calls, not the flops, are the cost).  No fast-math: the sums
-run in the written order, float64.
+variants (V1)-(V4) as fixed values and the mask structure (V5, V6) as ``allowed``, and
+writes the row's part of (JD2) (:func:`q_rows`), (JD3) (:func:`k_rows`,
+:func:`coeff_rows`) or (J8) (:func:`p_rows`); :func:`outer_rows` is the layer's (JD5)
+product T ⊗ X_q.  A small Jacobian costs one call instead of a few dozen NumPy calls (at
+the sizes these tools are for, the calls, not the flops, are the cost).  No fast-math:
+the sums run in the written order, float64.
 """
 
 from __future__ import annotations
