@@ -3,9 +3,8 @@
 
 One pass per query row (b, h, i) forms that row of the primal, (A1)-(A3) with the
 variants (V1)-(V4) as fixed values and the mask structure (V5, V6) as ``allowed``, and
-writes the row's part of (JD2) (:func:`q_rows`), (JD3) (:func:`k_rows`,
-:func:`coeff_rows`) or (J8) (:func:`p_rows`); :func:`outer_rows` is the layer's (JD5)
-product T ⊗ X_q.  A small Jacobian costs one call instead of a few dozen NumPy calls (at
+writes the row's part of (JD2), (JD3) or (J8) (:func:`jacobian_rows`);
+:func:`outer_rows` is the layer's (JD5) product T ⊗ X_q.  A small Jacobian costs one call instead of a few dozen NumPy calls (at
 the sizes these tools are for, the calls, not the flops, are the cost).  No fast-math:
 the sums run in the written order, float64.
 """
@@ -87,21 +86,29 @@ def _row(q, k, vals, vgroup, allowed, add, sinks, softcap, keep, scale, b, h, i,
     return True
 
 
-@_jit
-def q_rows(q, k, vals, vgroup, allowed, add, sinks, softcap, keep, scale, out, outs):
-    """(JD2) out[b, h, i, f, d] = s Σ_j (W̃_ij vals_jf − W_ij outs_if) K_jd   (J6), out
-    (B, H, Lq, F, D), any strides (e.g. the Jacobian's diagonal), zeros on entry.
+BLOCK_Q, COEFF, KEPT = 0, 1, 2  # what :func:`jacobian_rows` writes per row
 
-    Arguments as :func:`_row`: q (B, H, Lq, D); k (B, Hkv, Lk, D), query head h reads kv
-    head h // (H / Hkv); vals (B, H / vgroup, Lk, F), head h reads h // vgroup; allowed
-    (b|1, h|1, Lq|1, Lk) bool; add (b|1, h|1, Lq|1, Lk|1) (zeros: none); sinks (H,), or
-    (0,) for none; softcap c > 0, or 0 for none; keep Z/(1 − p) (B|1, H|1, Lq|1, Lk|1)
-    (ones: none); W̃ = W ∘ Z/(1 − p).  ``outs`` (B, H, Lq, F) receives P̃ vals."""
+
+@_jit
+def jacobian_rows(q, k, vals, vgroup, allowed, add, sinks, softcap, keep, scale, what, out, outs):
+    """Row by row, :func:`_row`'s primal, then by ``what`` (``out`` zeros on entry, any
+    strides; rows with no allowed key are left 0):
+
+    BLOCK_Q: (JD2) out[b, h, i, f, d] = s Σ_j (W̃_ij vals_jf − W_ij outs_if) K_jd  (J6), out (B, H, Lq, F, D)
+    COEFF:   (JD3) out[b, h, i, f, j] = s (W̃_ij vals_jf − W_ij outs_if)  (J7 without Q), out (B, H, Lq, F, Lk)
+    KEPT:    (J8)  out[b, h, i, j, 0] = P̃_ij, out (B, H, Lq, Lk, 1)
+
+    q (B, H, Lq, D); k (B, Hkv, Lk, D), query head h reads kv head h // (H / Hkv); vals
+    (B, H / vgroup, Lk, F), head h reads h // vgroup; allowed (b|1, h|1, Lq|1, Lk) bool;
+    add (b|1, h|1, Lq|1, Lk|1) (zeros: none); sinks (H,), or (0,) for none; softcap c > 0,
+    or 0 for none; keep Z/(1 − p) (B|1, H|1, Lq|1, Lk|1) (ones: none); W̃ = W ∘ Z/(1 − p).
+    ``outs`` (B, H, Lq, F) receives P̃ vals (A3)."""
     B, H, Lq, D = q.shape
     Lk = k.shape[2]
     F = vals.shape[3]
     hk_div = H // k.shape[1]
     p_row, w_row, z_row = np.empty(Lk), np.empty(Lk), np.empty(Lk)
+    c_row = np.empty(Lk)  # the (JD3) coefficients of one f
     for b in range(B):
         for h in range(H):
             hk, hv = h // hk_div, h // vgroup
@@ -111,86 +118,27 @@ def q_rows(q, k, vals, vgroup, allowed, add, sinks, softcap, keep, scale, out, o
                             p_row, w_row, z_row, outs):
                     continue
                 ba, ia = _pick(allowed.shape[0], b), _pick(allowed.shape[2], i)
+                if what == KEPT:
+                    for j in range(Lk):
+                        if allowed[ba, ha, ia, j]:
+                            out[b, h, i, j, 0] = p_row[j] * z_row[j]  # (J8, V3)
+                    continue
                 for f in range(F):
                     o = outs[b, h, i, f]
-                    for d in range(D):
+                    for j in range(Lk):  # (JD3) s (W̃_ij vals_jf − W_ij outs_if), 0 where not allowed
+                        c_row[j] = 0.0
+                        if allowed[ba, ha, ia, j]:
+                            c_row[j] = scale * (w_row[j] * z_row[j] * vals[b, hv, j, f] - w_row[j] * o)
+                    if what == COEFF:
+                        for j in range(Lk):
+                            out[b, h, i, f, j] = c_row[j]
+                        continue
+                    for d in range(D):  # (JD2) Σ_j coeff_j K_jd over the allowed keys (others may be NaN)
                         acc = 0.0
                         for j in range(Lk):
                             if allowed[ba, ha, ia, j]:
-                                acc += (w_row[j] * z_row[j] * vals[b, hv, j, f] - w_row[j] * o) * k[b, hk, j, d]
-                        out[b, h, i, f, d] = scale * acc  # (JD2)
-
-
-@_jit
-def coeff_rows(q, k, vals, vgroup, allowed, add, sinks, softcap, keep, scale, out, outs):
-    """(JD3) out[b, h, i, f, j] = s (W̃_ij vals_jf − W_ij outs_if)   (J7 without Q), out
-    (B, H, Lq, F, Lk), zeros on entry; arguments as :func:`q_rows`."""
-    B, H, Lq, _ = q.shape
-    Lk = k.shape[2]
-    F = vals.shape[3]
-    p_row, w_row, z_row = np.empty(Lk), np.empty(Lk), np.empty(Lk)
-    for b in range(B):
-        for h in range(H):
-            hv = h // vgroup
-            ha = _pick(allowed.shape[1], h)
-            for i in range(Lq):
-                if not _row(q, k, vals, vgroup, allowed, add, sinks, softcap, keep, scale, b, h, i,
-                            p_row, w_row, z_row, outs):
-                    continue
-                ba, ia = _pick(allowed.shape[0], b), _pick(allowed.shape[2], i)
-                for f in range(F):
-                    o = outs[b, h, i, f]
-                    for j in range(Lk):
-                        if allowed[ba, ha, ia, j]:
-                            out[b, h, i, f, j] = scale * (w_row[j] * z_row[j] * vals[b, hv, j, f] - w_row[j] * o)
-
-
-@_jit
-def k_rows(q, k, vals, vgroup, allowed, add, sinks, softcap, keep, scale, out, outs):
-    """(JD3) out[b, hk, g, i, f, j, d] = s (W̃_ij vals_jf − W_ij outs_if) Q_id   (J7),
-    h = hk G + g; out (B, Hkv, G, Lq, F, Lk, D), any strides (the Jacobian's diagonal),
-    zeros on entry; arguments as :func:`q_rows`."""
-    B, H, Lq, D = q.shape
-    Lk = k.shape[2]
-    F = vals.shape[3]
-    G = H // k.shape[1]
-    p_row, w_row, z_row = np.empty(Lk), np.empty(Lk), np.empty(Lk)
-    for b in range(B):
-        for h in range(H):
-            hv = h // vgroup
-            ha = _pick(allowed.shape[1], h)
-            for i in range(Lq):
-                if not _row(q, k, vals, vgroup, allowed, add, sinks, softcap, keep, scale, b, h, i,
-                            p_row, w_row, z_row, outs):
-                    continue
-                ba, ia = _pick(allowed.shape[0], b), _pick(allowed.shape[2], i)
-                for f in range(F):
-                    o = outs[b, h, i, f]
-                    for j in range(Lk):
-                        if allowed[ba, ha, ia, j]:
-                            c = scale * (w_row[j] * z_row[j] * vals[b, hv, j, f] - w_row[j] * o)
-                            for d in range(D):
-                                out[b, h // G, h % G, i, f, j, d] = c * q[b, h, i, d]  # (JD3)
-
-
-@_jit
-def p_rows(q, k, vals, vgroup, allowed, add, sinks, softcap, keep, scale, out, outs):
-    """(J8) out[b, h, i, j] = P̃_ij, out (B, H, Lq, Lk), zeros on entry; arguments as
-    :func:`q_rows`."""
-    B, H, Lq, _ = q.shape
-    Lk = k.shape[2]
-    p_row, w_row, z_row = np.empty(Lk), np.empty(Lk), np.empty(Lk)
-    for b in range(B):
-        for h in range(H):
-            ha = _pick(allowed.shape[1], h)
-            for i in range(Lq):
-                if not _row(q, k, vals, vgroup, allowed, add, sinks, softcap, keep, scale, b, h, i,
-                            p_row, w_row, z_row, outs):
-                    continue
-                ba, ia = _pick(allowed.shape[0], b), _pick(allowed.shape[2], i)
-                for j in range(Lk):
-                    if allowed[ba, ha, ia, j]:
-                        out[b, h, i, j] = p_row[j] * z_row[j]  # (J8, V3)
+                                acc += c_row[j] * k[b, hk, j, d]
+                        out[b, h, i, f, d] = acc
 
 
 @_jit

@@ -17,6 +17,8 @@ stays bounded (``chunk`` directions at a time).
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from ..layers.mha import check_param_arrays
@@ -136,13 +138,19 @@ def _diagonal(a, subscripts: str):
     """``np.einsum(subscripts, a)`` for a subscript that only takes diagonals (each output
     letter once, every input letter in the output), e.g. "bhiebhid->bhied": the same
     writable view of ``a``, each letter's stride the sum of its axes' strides, built
-    directly (einsum's parser costs more than the whole block write at small sizes)."""
+    directly (einsum's parser costs more than the whole block write at small sizes; the
+    subscript is parsed once, :func:`_diagonal_axes`)."""
+    st = a.strides
+    axes = _diagonal_axes(subscripts)
+    return np.ndarray(tuple(a.shape[ax[0]] for ax in axes), a.dtype, a, 0,
+                      tuple(sum(st[x] for x in ax) for ax in axes))
+
+
+@functools.cache
+def _diagonal_axes(subscripts: str) -> tuple:
+    """For each output letter of ``subscripts``, the input axes that carry it."""
     ins, outs = subscripts.split("->")
-    shape, strides = {}, dict.fromkeys(outs, 0)
-    for letter, n, step in zip(ins, a.shape, a.strides, strict=True):
-        shape[letter] = n
-        strides[letter] += step
-    return np.ndarray(tuple(shape[c] for c in outs), a.dtype, a, 0, tuple(strides[c] for c in outs))
+    return tuple(tuple(n for n, c in enumerate(ins) if c == letter) for letter in outs)
 
 
 def _sdpa_jacobian_blocks(r, wrt: str, shape: tuple):
@@ -185,19 +193,26 @@ def _sdpa_jacobian_rows(kern, q, k, v, rargs, wrt: str, shape: tuple):
     G = H // Hkv
     outs = np.empty((B, H, Lq, Dv))  # O, (A3)
     if wrt == "q":
-        st = jac.strides  # the diagonal over (b, h, i), as _diagonal(jac, "bhiebhid->bhied")
-        diag = np.ndarray((B, H, Lq, Dv, shape[-1]), jac.dtype, jac, 0,
-                          (st[0] + st[4], st[1] + st[5], st[2] + st[6], st[3], st[7]))  # (B, H, Lq, Dv, D)
-        kern["q"](q, k, v, G, *rargs, diag, outs)  # (J6, JD1, JD2)
+        kern.jacobian_rows(q, k, v, G, *rargs, kern.BLOCK_Q, _diagonal(jac, "bhiebhid->bhied"), outs)  # (J6, JD1, JD2)
         return jac
     grouped = jac.reshape(B, Hkv, G, Lq, Dv, B, Hkv, Lk, shape[-1])  # a view: h = (hk, g)
     if wrt == "k":
-        kern["k"](q, k, v, G, *rargs, _diagonal(grouped, "bkgiebkjd->bkgiejd"), outs)  # (J7, JD1, JD3)
+        coeff = np.zeros((B, H, Lq, Dv, Lk))
+        kern.jacobian_rows(q, k, v, G, *rargs, kern.COEFF, coeff, outs)  # (J7, JD3) without Q
+        np.multiply(coeff.reshape(B, Hkv, G, Lq, Dv, Lk, 1),
+                    _used_rows(q, rargs[0]).reshape(B, Hkv, G, Lq, 1, 1, -1),  # rargs[0]: allowed
+                    out=_diagonal(grouped, "bkgiebkjd->bkgiejd"))  # (JD1, JD3) · Q_id
         return jac
-    kept = np.zeros((B, H, Lq, Lk))
-    kern["p"](q, k, v, G, *rargs, kept, outs)  # P̃ (J8, V3)
+    kept = np.zeros((B, H, Lq, Lk, 1))
+    kern.jacobian_rows(q, k, v, G, *rargs, kern.KEPT, kept, outs)  # P̃ (J8, V3)
     _diagonal(grouped, "bkgiebkje->bkgije")[...] = kept.reshape(B, Hkv, G, Lq, Lk, 1)  # (J8, JD1) e = e'
     return jac
+
+
+def _used_rows(q, allowed):
+    """Q with the query rows that attend no key zeroed: they cannot reach the output (as
+    in :func:`.jvp.attention_primal`), so a non-finite value there has no derivative."""
+    return np.where(_any(allowed, -1), q, 0.0)
 
 
 def mha_jacobian(params, query, key=None, value=None, *, wrt: str = "query", convention: str = "row",
@@ -288,30 +303,28 @@ def _layer_param_rows(kern, st, params, wrt: str):
     wo_h = wo.reshape(H, Dv, E)  # (H, Dv, E): rows of W^O read by head h
     rargs = row_args(st.allowed, st.scale, st.variants)
     if wrt in ("W_o", "W_v", "b_v"):
-        kept, o = np.zeros((B, H, Lq, Lk)), np.empty((B, H, Lq, Dv))
+        kept, o = np.zeros((B, H, Lq, Lk, 1)), np.empty((B, H, Lq, Dv))
         if kept.size or o.size:
-            kern["p"](q, k, v, G, *rargs, kept, o)  # P̃ (J8, V3) and O (A3)
+            kern.jacobian_rows(q, k, v, G, *rargs, kern.KEPT, kept, o)  # P̃ (J8, V3) and O (A3)
         if wrt == "W_o":
             return _wo_blocks(o, E)
-        return _v_blocks(kept, xv, wo_h, G, wrt)
+        return _v_blocks(kept[..., 0], xv, wo_h, G, wrt)
     u = (v[:, :, None] @ wo_h.reshape(Hkv, G, Dv, E)).reshape(B, H, Lk, E)  # (JD4) U_h = V_h W^O_h
     ubar = np.empty((B, H, Lq, E))  # (JD4) Ū_h = P̃ U_h, from the kernel
     if wrt in ("W_q", "b_q"):
         t = np.zeros((B, Lq, E, H, D))  # ∂Y_ie/∂Q_i,(h,d)
         if t.size:
-            kern["q"](q, k, u, 1, *rargs, t.transpose(0, 3, 1, 2, 4), ubar)  # (J6, JD4) written as (B, H, Lq, E, D)
+            kern.jacobian_rows(q, k, u, 1, *rargs, kern.BLOCK_Q, t.transpose(0, 3, 1, 2, 4), ubar)  # (J6, JD4) as (B, H, Lq, E, D)
         t = t.reshape(B, Lq, E, H * D)
         if wrt == "b_q":
             return _q_blocks(t, xq, wrt)
         jac = np.empty((B, Lq, E, xq.shape[2], H * D))
-        kern["outer"](t, xq, jac)  # (JD5) T_ie,(h,d) X_ia, as _q_blocks
+        kern.outer_rows(t, xq, jac)  # (JD5) T_ie,(h,d) X_ia, as _q_blocks
         return jac
     coeff = np.zeros((B, H, Lq, E, Lk))
     if coeff.size:
-        kern["coeff"](q, k, u, 1, *rargs, coeff, ubar)  # (J7, JD4) s (P̃ U − W Ū)
-    if st.allowed is not None:  # rows with no key: Q does not reach Y (as attention_primal's zeroed rows)
-        q = np.where(_any(st.allowed, -1), q, 0.0)
-    return _k_blocks(coeff, q, xk, G, wrt)
+        kern.jacobian_rows(q, k, u, 1, *rargs, kern.COEFF, coeff, ubar)  # (J7, JD4) s (P̃ U − W Ū)
+    return _k_blocks(coeff, _used_rows(q, rargs[0]), xk, G, wrt)
 
 
 def _wo_blocks(out, E: int):

@@ -15,7 +15,7 @@ import numpy as np
 from ..core import fused
 from .variants import LogitVariants
 
-_KERNELS = None  # {"q": ..., "k": ..., "coeff": ..., "p": ..., "outer": ...}, False when numba is missing
+_KERNELS = None  # the module :mod:`._kernels`, False when numba is missing
 
 # the kernels' "no variant" values: read, never written
 _ALL = np.ones((1, 1, 1, 1), bool)  # every key allowed
@@ -24,8 +24,10 @@ _NO_KEEP = np.ones((1, 1, 1, 1))  # no dropout
 _NO_SINKS = np.zeros(0)
 
 
-def row_kernels() -> dict | None:
-    """The compiled kernels by name, or None (numba missing or switched off)."""
+def row_kernels():
+    """The module of compiled kernels (:mod:`._kernels`: ``jacobian_rows`` with what it
+    writes, ``BLOCK_Q``, ``COEFF``, ``KEPT``, and ``outer_rows``), or None (numba missing
+    or switched off)."""
     global _KERNELS
     if not fused.enabled():
         return None
@@ -35,8 +37,7 @@ def row_kernels() -> dict | None:
         except ImportError:  # pragma: no cover - fused.enabled() already imported numba
             _KERNELS = False
         else:
-            _KERNELS = {"q": m.q_rows, "k": m.k_rows, "coeff": m.coeff_rows, "p": m.p_rows,
-                        "outer": m.outer_rows}
+            _KERNELS = m
     return _KERNELS or None
 
 
