@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._xp import Array, check_array, check_broadcast, dtype_name
+from ._xp import Array, check_array, check_broadcast, dtype_name, frozen_record
 
 CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
 
@@ -230,9 +230,9 @@ def make_mask_spec(
             )
         keys = xp.asarray(key_mask)
     q_seg, kv_seg = _segments(xp, q_segment_ids, kv_segment_ids, batch, lq, lk)
-    return MaskSpec(
-        batch, heads, lq, lk, norm_mask, keys, normalize_causal(causal, lq, lk),
-        _window(window), q_seg, kv_seg,
+    return frozen_record(
+        MaskSpec, batch=batch, heads=heads, lq=lq, lk=lk, mask=norm_mask, keys=keys,
+        causal=normalize_causal(causal, lq, lk), window=_window(window), q_seg=q_seg, kv_seg=kv_seg,
     )
 
 
@@ -296,5 +296,15 @@ def _keys_from_lengths(xp, key_lengths, batch: int, lk: int):
     values = key_lengths.tolist()
     if batch and (min(values) < 0 or max(values) > lk):
         raise ValueError(f"key_lengths must lie in [0, Lk] = [0, {lk}]; got {values}")
+    if xp is np and batch <= _FILL_BATCH:
+        # a few prefix fills: no ufunc call, which costs ~15 us when NumPy's code is not in
+        # cache (a small call between other work, as the Jacobian tools are used)
+        keys = np.zeros((batch, lk), bool)  # (B, Lk)
+        for b, n in enumerate(values):
+            keys[b, :n] = True
+        return keys
     j = xp.arange(lk)  # (Lk,)
     return xp.less(j, key_lengths[:, None])  # (B, Lk)
+
+
+_FILL_BATCH = 8  # up to this batch size, _keys_from_lengths fills rows instead of comparing

@@ -22,6 +22,7 @@ from ._xp import (
     check_positive,
     compute_dtype,
     dtype_name,
+    frozen_record,
     resolve_scale,
 )
 from .masks import MaskSpec, make_mask_spec
@@ -121,9 +122,12 @@ def validate_qkv(q, k, v) -> SDPAShape:
 def make_problem(
     xp, q, k, v, *, mask, key_lengths, key_mask, causal, bias, scale, softcap, sinks,
     alibi_slopes, window, q_segment_ids, kv_segment_ids, dropout_p, dropout_seed, scale_grad,
+    shape: SDPAShape | None = None,
 ) -> Problem:
-    """Validate every option of :func:`attngrad.sdpa_forward`; returns the :class:`Problem`."""
-    sh = validate_qkv(q, k, v)  # q, k, v: one floating dtype
+    """Validate every option of :func:`attngrad.sdpa_forward`; returns the :class:`Problem`.
+    ``shape``: q, k and v's :class:`SDPAShape` from a caller that formed them from inputs it
+    has checked (a layer's heads), so :func:`validate_qkv` is not repeated."""
+    sh = validate_qkv(q, k, v) if shape is None else shape  # q, k, v: one floating dtype
     dtype = q.dtype
     if bias is not None:
         check_array("bias", bias)
@@ -153,9 +157,10 @@ def make_problem(
     seed = _dropout_seed(dropout_seed, p)
     if not isinstance(scale_grad, bool):
         raise TypeError(f"scale_grad must be True or False; got {scale_grad!r}")
-    return Problem(
-        sh, scale, spec, dtype, cdt, bias, bias_shape, softcap, sinks, alibi_slopes,
-        alibi_shape, p, seed, scale_grad,
+    return frozen_record(
+        Problem, shape=sh, scale=scale, spec=spec, dtype=dtype, cdt=cdt, bias=bias, bias_shape=bias_shape,
+        softcap=softcap, sinks=sinks, alibi=alibi_slopes, alibi_shape=alibi_shape, dropout_p=p,
+        dropout_seed=seed, scale_grad=scale_grad,
     )
 
 

@@ -139,18 +139,18 @@ def _diagonal(a, subscripts: str):
     letter once, every input letter in the output), e.g. "bhiebhid->bhied": the same
     writable view of ``a``, each letter's stride the sum of its axes' strides, built
     directly (einsum's parser costs more than the whole block write at small sizes; the
-    subscript is parsed once, :func:`_diagonal_axes`)."""
-    st = a.strides
-    axes = _diagonal_axes(subscripts)
-    return np.ndarray(tuple(a.shape[ax[0]] for ax in axes), a.dtype, a, 0,
-                      tuple(sum(st[x] for x in ax) for ax in axes))
+    geometry is computed once per subscript, shape and strides, :func:`_diagonal_geometry`)."""
+    shape, strides = _diagonal_geometry(subscripts, a.shape, a.strides)
+    return np.ndarray(shape, a.dtype, a, 0, strides)
 
 
-@functools.cache
-def _diagonal_axes(subscripts: str) -> tuple:
-    """For each output letter of ``subscripts``, the input axes that carry it."""
+@functools.lru_cache(maxsize=256)
+def _diagonal_geometry(subscripts: str, shape: tuple, strides: tuple) -> tuple:
+    """(shape, strides) of the diagonal view: each output letter of ``subscripts`` spans
+    the input axes that carry it, its stride the sum of theirs."""
     ins, outs = subscripts.split("->")
-    return tuple(tuple(n for n, c in enumerate(ins) if c == letter) for letter in outs)
+    axes = [[n for n, c in enumerate(ins) if c == letter] for letter in outs]
+    return tuple(shape[ax[0]] for ax in axes), tuple(sum(strides[x] for x in ax) for ax in axes)
 
 
 def _sdpa_jacobian_blocks(r, wrt: str, shape: tuple):

@@ -24,7 +24,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..core.dense import softmax_with_sinks
-from ..core.problem import make_problem
+from ..core.problem import SDPAShape, make_problem
 from ..layers.mha import BIASES, WEIGHTS, check_inputs, check_params
 from ..ops import merge_heads, project, split_heads
 from .variants import (
@@ -60,10 +60,13 @@ class AttnJVP(NamedTuple):
     keep: np.ndarray | None = None  # (B, H, Lq, Lk) Z / (1 − p), with dropout   (V3)
 
 
+_F64 = np.dtype(np.float64)  # comparing with the dtype itself, not the type, skips a conversion
+
+
 def _f64(name, a):
     if not isinstance(a, np.ndarray):
         raise TypeError(f"{name} must be a NumPy array; got {type(a).__name__}")
-    if a.dtype != np.float64:
+    if a.dtype != _F64:
         raise TypeError(f"{name} must be float64 (the Jacobian tools are exact-arithmetic references); got {a.dtype}")
     return a
 
@@ -80,20 +83,23 @@ def _tangent(name, t, like):
 
 
 def attention_structure(q, k, v, *, mask=None, key_lengths=None, key_mask=None, causal=False, scale=None,
-                        variants=None, who: str = "sdpa_jvp", kind: str = "jvp"):
+                        variants=None, who: str = "sdpa_jvp", kind: str = "jvp", shape=None):
     """Validated shapes, the allowed structure (B|1, H|1, Lq, Lk) bool or None, the scale
     and the :class:`~.variants.LogitVariants`.  ``variants``: the variant keywords of
     sdpa_forward; those a tool of ``kind`` cannot honour are refused, naming ``who``.
-    Validation is the library's front door (make_problem: one scale rule, one mask rule)."""
-    for name, a in (("q", q), ("k", k), ("v", v)):
-        _f64(name, a)
+    Validation is the library's front door (make_problem: one scale rule, one mask rule).
+    ``shape``: the :class:`~attngrad.core.problem.SDPAShape` of q, k, v when the caller
+    formed them from checked float64 inputs (the layer's heads): their checks are not repeated."""
+    if shape is None:
+        for name, a in (("q", q), ("k", k), ("v", v)):
+            _f64(name, a)
     opts = {**VARIANT_DEFAULTS, **(variants or {})}
     refuse_unsupported(who, kind, opts)
     for name in ("bias", "sinks", "alibi_slopes"):
         if opts[name] is not None:
             _f64(name, opts[name])
     prob = make_problem(np, q, k, v, mask=mask, key_lengths=key_lengths, key_mask=key_mask, causal=causal,
-                        scale=scale, **opts)
+                        scale=scale, shape=shape, **opts)
     return prob.shape, prob.spec.block(np), prob.scale, logit_variants(prob)
 
 
@@ -289,8 +295,10 @@ def _layer_structure(params, srcs, H, Hkv, *, mask, key_lengths, key_mask, causa
     attention's validated structure."""
     q, k, v = _projections(params, srcs)  # (M1) (B, L, heads*D)
     heads = (split_heads(np, q, H), split_heads(np, k, Hkv), split_heads(np, v, Hkv))  # (M1)
+    (B, _, Lq, D), (_, _, Lk, Dv) = heads[0].shape, heads[2].shape  # consistent: check_layer checked the layer
     _, allowed, s, var = attention_structure(*heads, mask=mask, key_lengths=key_lengths, key_mask=key_mask,
-                                             causal=causal, scale=scale, variants=variants, who=who, kind=kind)
+                                             causal=causal, scale=scale, variants=variants, who=who, kind=kind,
+                                             shape=SDPAShape(B, H, Hkv, Lq, Lk, D, Dv))
     return LayerStructure(srcs, heads, allowed, s, var)
 
 
