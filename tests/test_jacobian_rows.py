@@ -103,6 +103,24 @@ def test_mha_jacobian_rows_equal_numpy_form(monkeypatch, names, masks, self_atte
         assert float(np.max(np.abs(got - want), initial=0.0)) <= REL * scale, wrt
 
 
+@pytest.mark.parametrize("bias", [True, False], ids=["biases", "no-biases"])
+def test_mha_jacobian_rows_other_widths(monkeypatch, bias):
+    """The compiled projections (layer_heads) for every width the layer allows: kdim, vdim,
+    a head dim and a value head dim of their own, GQA, with and without biases, and
+    Fortran-order, strided and read-only inputs."""
+    rng = np.random.default_rng(5)
+    params = init_mha_params(6, 4, kdim=5, vdim=3, num_kv_heads=2, head_dim=3, value_head_dim=2, bias=bias,
+                             rng=rng)
+    x = np.asfortranarray(rng.standard_normal((2, 3, 6)))
+    key = rng.standard_normal((2, 8, 5))[:, ::2]  # strided: Lk = 4
+    value = np.broadcast_to(rng.standard_normal((1, 4, 3)), (2, 4, 3))  # read-only
+    for wrt in [w for w in LAYER_PARAMS if w in params]:
+        got, want = _both(monkeypatch, lambda wrt=wrt: mha_jacobian(params, x, key, value, wrt=wrt, num_heads=4,
+                                                                     num_kv_heads=2, causal="bottom_right"))
+        assert got.shape == want.shape, wrt
+        assert float(np.max(np.abs(got - want), initial=0.0)) <= REL * max(1.0, float(np.max(np.abs(want)))), wrt
+
+
 def test_rows_any_strides_and_read_only_inputs(monkeypatch):
     """Non-contiguous, read-only and broadcast inputs reach the kernels as they are."""
     rng = np.random.default_rng(1)

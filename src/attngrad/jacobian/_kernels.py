@@ -154,3 +154,37 @@ def outer_rows(t, x, out):
                     xa = x[b, i, a]
                     for c in range(C):
                         out[b, i, e, a, c] = t[b, i, e, c] * xa
+
+
+@_jit
+def _project_heads(x, w, bias, out, row):
+    """(M1) for one projection: out[b, h, i, d] = Σ_a x[b, i, a] w[a, h·D + d] + bias[h·D + d],
+    the sum first, then the bias (as X W + b); a bias of length 0 is none.  x (B, L, A),
+    w (A, heads·D), out (B, heads, L, D); ``row`` scratch (heads·D,)."""
+    B, nh, L, D = out.shape
+    A, C = w.shape
+    for b in range(B):
+        for i in range(L):
+            for c in range(C):
+                row[c] = 0.0
+            for a in range(A):
+                xa = x[b, i, a]
+                for c in range(C):
+                    row[c] += xa * w[a, c]
+            if bias.shape[0] > 0:
+                for c in range(C):
+                    row[c] += bias[c]
+            for h in range(nh):
+                for d in range(D):
+                    out[b, h, i, d] = row[h * D + d]
+
+
+@_jit
+def layer_heads(xq, xk, xv, wq, bq, wk, bk, wv, bv, q, k, v):
+    """(M1) Q = X_q W^Q + b^Q, K = X_k W^K + b^K, V = X_v W^V + b^V split into heads,
+    written into q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv): one call in place
+    of the projections' and the head split's NumPy calls.  Biases of length 0 are none."""
+    row = np.empty(max(wq.shape[1], wk.shape[1], wv.shape[1]))
+    _project_heads(xq, wq, bq, q, row)
+    _project_heads(xk, wk, bk, k, row)
+    _project_heads(xv, wv, bv, v, row)

@@ -34,7 +34,7 @@ from .jvp import (
     layer_primal,
     layer_structure,
 )
-from .rows import row_args, row_kernels
+from .rows import layer_heads, row_args, row_kernels
 
 SDPA_ARGS = ("q", "k", "v")
 
@@ -253,7 +253,9 @@ def mha_jacobian(params, query, key=None, value=None, *, wrt: str = "query", con
     if closed:
         kern = row_kernels()
         if kern is not None:
-            return _layer_param_rows(kern, layer_structure(params, query, key, value, **kwargs), params, wrt)
+            heads = functools.partial(layer_heads, kern)  # (M1) compiled
+            return _layer_param_rows(kern, layer_structure(params, query, key, value, heads=heads, **kwargs),
+                                     params, wrt)
         return _layer_param_blocks(layer_primal(params, query, key, value, **kwargs), params, wrt)
     base = layer_jvp_parts(params, query, key, value, **kwargs)
 

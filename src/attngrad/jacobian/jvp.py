@@ -289,12 +289,18 @@ class LayerStructure(NamedTuple):
     variants: LogitVariants
 
 
-def _layer_structure(params, srcs, H, Hkv, *, mask, key_lengths, key_mask, causal, scale, variants, who,
-                     kind) -> LayerStructure:
-    """(M1) on checked params and inputs: the projections split into heads, and the
-    attention's validated structure."""
+def _heads(params, srcs, H: int, Hkv: int) -> tuple:
+    """(M1) on checked params and inputs: Q, K, V split into heads."""
     q, k, v = _projections(params, srcs)  # (M1) (B, L, heads*D)
-    heads = (split_heads(np, q, H), split_heads(np, k, Hkv), split_heads(np, v, Hkv))  # (M1)
+    return split_heads(np, q, H), split_heads(np, k, Hkv), split_heads(np, v, Hkv)  # (M1)
+
+
+def _layer_structure(params, srcs, H, Hkv, *, mask, key_lengths, key_mask, causal, scale, variants, who,
+                     kind, heads=_heads) -> LayerStructure:
+    """(M1) on checked params and inputs: the projections split into heads (by ``heads``:
+    :func:`_heads`, or the compiled :func:`.rows.layer_heads`), and the attention's
+    validated structure."""
+    heads = heads(params, srcs, H, Hkv)
     (B, _, Lq, D), (_, _, Lk, Dv) = heads[0].shape, heads[2].shape  # consistent: check_layer checked the layer
     _, allowed, s, var = attention_structure(*heads, mask=mask, key_lengths=key_lengths, key_mask=key_mask,
                                              causal=causal, scale=scale, variants=variants, who=who, kind=kind,
@@ -312,16 +318,17 @@ def layer_structure(params, query, key=None, value=None, *, num_heads, num_kv_he
                     key_lengths=None, key_mask=None, causal=False, scale=None, bias=None, softcap=None,
                     sinks=None, alibi_slopes=None, window=None, q_segment_ids=None, kv_segment_ids=None,
                     dropout_p=0.0, dropout_seed=None, scale_grad=False, who: str = "mha_jacobian",
-                    kind: str = "closed") -> LayerStructure:
+                    kind: str = "closed", heads=_heads) -> LayerStructure:
     """The layer validated as :func:`layer_jvp_parts` validates it (same keywords, no
-    tangents), up to the attention's structure."""
+    tangents), up to the attention's structure.  ``heads(params, sources, H, Hkv)`` forms
+    Q, K, V split into heads (:func:`_heads` by default)."""
     variants = {"bias": bias, "softcap": softcap, "sinks": sinks, "alibi_slopes": alibi_slopes, "window": window,
                 "q_segment_ids": q_segment_ids, "kv_segment_ids": kv_segment_ids, "dropout_p": dropout_p,
                 "dropout_seed": dropout_seed, "scale_grad": scale_grad}
     refuse_unsupported(who, kind, variants)  # before any other work
     H, Hkv, _, srcs = check_layer(params, query, key, value, num_heads, num_kv_heads)
     return _layer_structure(params, srcs, H, Hkv, mask=mask, key_lengths=key_lengths, key_mask=key_mask,
-                            causal=causal, scale=scale, variants=variants, who=who, kind=kind)
+                            causal=causal, scale=scale, variants=variants, who=who, kind=kind, heads=heads)
 
 
 def layer_primal(params, query, key=None, value=None, **kwargs) -> LayerPrimal:

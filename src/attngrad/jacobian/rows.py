@@ -26,8 +26,8 @@ _NO_SINKS = np.zeros(0)
 
 def row_kernels():
     """The module of compiled kernels (:mod:`._kernels`: ``jacobian_rows`` with what it
-    writes, ``BLOCK_Q``, ``COEFF``, ``KEPT``, and ``outer_rows``), or None (numba missing
-    or switched off)."""
+    writes, ``BLOCK_Q``, ``COEFF``, ``KEPT``, ``outer_rows`` and ``layer_heads``), or None
+    (numba missing or switched off)."""
     global _KERNELS
     if not fused.enabled():
         return None
@@ -44,6 +44,24 @@ def row_kernels():
 def _four(a: np.ndarray) -> np.ndarray:
     """``a`` with leading axes of length 1 up to four axes (a view)."""
     return a if a.ndim == 4 else a.reshape((1,) * (4 - a.ndim) + a.shape)
+
+
+_NO_BIAS = np.zeros(0)
+
+
+def layer_heads(kern, params, srcs, heads: int, kv_heads: int) -> tuple:
+    """(M1) Q, K, V split into heads, (B, H, Lq, D), (B, Hkv, Lk, D), (B, Hkv, Lk, Dv), by
+    the compiled ``layer_heads`` for checked float64 ``params`` and sources (X_q, X_k, X_v)
+    (:func:`.jvp.check_layer`): the same arrays as :func:`.jvp._projections` and
+    ``split_heads``, summed in another order."""
+    (B, Lq, _), Lk = srcs[0].shape, srcs[1].shape[1]
+    w = [params[f"W_{n}"] for n in "qkv"]
+    b = [params.get(f"b_{n}") for n in "qkv"]
+    out = (np.empty((B, heads, Lq, w[0].shape[1] // heads)), np.empty((B, kv_heads, Lk, w[1].shape[1] // kv_heads)),
+           np.empty((B, kv_heads, Lk, w[2].shape[1] // kv_heads)))
+    kern.layer_heads(*srcs, w[0], _NO_BIAS if b[0] is None else b[0], w[1], _NO_BIAS if b[1] is None else b[1],
+                     w[2], _NO_BIAS if b[2] is None else b[2], *out)  # (M1)
+    return out
 
 
 def row_args(allowed, scale, var: LogitVariants) -> tuple:
