@@ -165,3 +165,14 @@ def test_rows_empty_sizes(monkeypatch, dims):
     for wrt in "qkv":
         got, want = _both(monkeypatch, lambda wrt=wrt: sdpa_jacobian(q, k, v, wrt))
         assert got.shape == want.shape and np.array_equal(got, want), wrt
+
+
+@pytest.mark.parametrize("shapes", [((0, 3, 6), (0, 4, 5)), ((2, 0, 6), (2, 4, 5)), ((2, 3, 6), (2, 0, 5))],
+                         ids=["B=0", "Lq=0", "Lk=0"])
+def test_mha_jacobian_rows_empty_sizes(monkeypatch, shapes):
+    rng = np.random.default_rng(2)
+    params = init_mha_params(6, 2, kdim=5, vdim=5, rng=rng)
+    x, m = rng.standard_normal(shapes[0]), rng.standard_normal(shapes[1])
+    for wrt in LAYER_PARAMS:
+        got, want = _both(monkeypatch, lambda wrt=wrt: mha_jacobian(params, x, m, wrt=wrt, num_heads=2))
+        assert got.shape == want.shape and np.array_equal(got, want), wrt
