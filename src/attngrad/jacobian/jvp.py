@@ -224,13 +224,14 @@ class LayerJVP(NamedTuple):
 
 
 SOURCE_ROLES = ("query", "key", "value")
+_PLAIN_PARAMS = frozenset(WEIGHTS + BIASES)  # the parameters of (M1)-(M4)
 
 
 def check_layer(params, query, key, value, num_heads, num_kv_heads) -> tuple:
     """The layer's checks (as mha_forward) plus the Jacobian tools' own: float64 NumPy, and
     only the parameters (M1)-(M4) model.  Returns (H, Hkv, roles, (X_q, X_k, X_v))."""
     H, Hkv, _, _ = check_params(params, num_heads, num_kv_heads)
-    other = sorted(set(params) - set(WEIGHTS + BIASES))
+    other = sorted(set(params) - _PLAIN_PARAMS)
     if other:
         raise ValueError(
             f"params has {other}: the Jacobian tools model the plain layer (M1)-(M4), with "

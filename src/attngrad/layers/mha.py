@@ -68,13 +68,14 @@ def check_size(name: str, value, *, optional: bool = False) -> int | None:
 
 # (name, the name in messages, ndim) of every parameter: formatted once, not per call
 _PARAM_CHECKS = tuple((n, f"params[{n!r}]", 2 if n in WEIGHTS else 1) for n in PARAM_NAMES)
+_PARAM_SET = frozenset(PARAM_NAMES)
 
 
 def check_param_arrays(params) -> None:
     """``params`` is a mapping with the four weights (2-D) and some biases (1-D)."""
     if not hasattr(params, "keys"):
         raise TypeError(f"params must be a mapping of arrays; got {type(params).__name__}")
-    unknown = sorted(map(repr, set(params) - set(PARAM_NAMES)))
+    unknown = sorted(map(repr, set(params) - _PARAM_SET))
     if unknown:
         raise ValueError(
             f"params has unknown keys [{', '.join(unknown)}]; expected some of {list(PARAM_NAMES)}"
