@@ -5,8 +5,7 @@ One pass per query row (b, h, i) forms that row of the primal, (A1)-(A3) with th
 variants (V1)-(V4) as fixed values and the mask structure (V5, V6) as ``allowed``, and
 writes the row's part of (JD2), (JD3) or (J8) (:func:`jacobian_rows`);
 :func:`outer_rows` is the layer's (JD5) product T ⊗ X_q, :func:`layer_heads` its projections
-(M1) split into heads, and :func:`layer_q_rows` / :func:`layer_bq_rows` its W^Q and b^Q
-Jacobians (U = V W^O, the rows, then T ⊗ X_q) in one call each.  A small Jacobian costs one call instead of a few dozen NumPy calls (at
+(M1) split into heads, and :func:`layer_u` its U = V W^O (JD4).  A small Jacobian costs one call instead of a few dozen NumPy calls (at
 the sizes these tools are for, the calls, not the flops, are the cost).  No fast-math:
 the sums run in the written order, float64.
 """
@@ -193,38 +192,22 @@ def layer_heads(xq, xk, xv, wq, bq, wk, bk, wv, bv, q, k, v):
 
 
 
+
 @_jit
-def _layer_t(q, k, v, wo, allowed, add, sinks, softcap, keep, scale):
-    """T = ∂Y_ie/∂Q_i,(h,d) (B, Lq, E, H·D) of the layer: U_h = V_h W^O_h (JD4), then
-    :func:`jacobian_rows` (BLOCK_Q) with U as the values.  q (B, H, Lq, D), k (B, Hkv, Lk, D),
-    v (B, Hkv, Lk, Dv), wo (H·Dv, E); the variants as :func:`jacobian_rows` takes them."""
-    B, H, Lq, D = q.shape
-    Hkv, Lk, Dv = v.shape[1], v.shape[2], v.shape[3]
-    E = wo.shape[1]
+def layer_u(v, wo, u):
+    """(JD4) U_h = V_h W^O_h for every query head h: u[b, h, j, e] = Σ_f v[b, h // G, j, f]
+    W^O[h·Dv + f, e] (G = H / Hkv); v (B, Hkv, Lk, Dv), wo (H·Dv, E), u (B, H, Lk, E)
+    written.  (Calling :func:`jacobian_rows` from a compiled function instead, to do the
+    whole W^Q Jacobian in one call, compiled it again inside it: 9 s on first use.)"""
+    B, Hkv, Lk, Dv = v.shape
+    H, E = u.shape[1], u.shape[3]
     G = H // Hkv
-    u = np.zeros((B, H, Lk, E))
     for b in range(B):
         for h in range(H):
             for j in range(Lk):
-                for f in range(Dv):  # (JD4) U_je = Σ_f V_jf W^O_(h,f)e
+                for e in range(E):
+                    u[b, h, j, e] = 0.0
+                for f in range(Dv):
                     vf = v[b, h // G, j, f]
                     for e in range(E):
                         u[b, h, j, e] += vf * wo[h * Dv + f, e]
-    ubar = np.empty((B, H, Lq, E))  # (JD4) Ū = P̃ U
-    t = np.zeros((B, Lq, E, H, D))
-    jacobian_rows(q, k, u, 1, allowed, add, sinks, softcap, keep, scale, BLOCK_Q, t.transpose((0, 3, 1, 2, 4)),
-                  ubar)  # (J6, JD4) as (B, H, Lq, E, D)
-    return t.reshape((B, Lq, E, H * D))
-
-
-@_jit
-def layer_q_rows(q, k, v, wo, allowed, add, sinks, softcap, keep, scale, x, out):
-    """The layer's dY/dW^Q in one call: T (:func:`_layer_t`) times X_q (JD5); x (B, Lq, A),
-    out (B, Lq, E, A, H·D), every entry written."""
-    outer_rows(_layer_t(q, k, v, wo, allowed, add, sinks, softcap, keep, scale), x, out)
-
-
-@_jit
-def layer_bq_rows(q, k, v, wo, allowed, add, sinks, softcap, keep, scale, out):
-    """The layer's dY/db^Q = T (:func:`_layer_t`) written into out (B, Lq, E, H·D)."""
-    out[...] = _layer_t(q, k, v, wo, allowed, add, sinks, softcap, keep, scale)

@@ -311,16 +311,18 @@ def _layer_param_rows(kern, st, params, wrt: str):
         if wrt == "W_o":
             return _wo_blocks(o, E)
         return _v_blocks(kept[..., 0], xv, wo_h, G, wrt)
-    if wrt == "W_q":
+    u, ubar = np.empty((B, H, Lk, E)), np.empty((B, H, Lq, E))  # (JD4) Ū_h = P̃ U_h, from the row kernel
+    kern.layer_u(v, wo, u)  # (JD4) U_h = V_h W^O_h
+    if wrt in ("W_q", "b_q"):
+        t = np.zeros((B, Lq, E, H, D))  # ∂Y_ie/∂Q_i,(h,d)
+        if t.size:  # (an empty view has another layout: the kernel would compile once more for it)
+            kern.jacobian_rows(q, k, u, 1, *rargs, kern.BLOCK_Q, t.transpose(0, 3, 1, 2, 4), ubar)  # (J6, JD4) as (B, H, Lq, E, D)
+        t = t.reshape(B, Lq, E, H * D)
+        if wrt == "b_q":
+            return t
         jac = np.empty((B, Lq, E, xq.shape[2], H * D))
-        kern.layer_q_rows(q, k, v, wo, *rargs, xq, jac)  # (JD4, J6) T, then (JD5) T_ie,(h,d) X_ia
+        kern.outer_rows(t, xq, jac)  # (JD5) T_ie,(h,d) X_ia, as _q_blocks
         return jac
-    if wrt == "b_q":
-        jac = np.empty((B, Lq, E, H * D))
-        kern.layer_bq_rows(q, k, v, wo, *rargs, jac)  # (JD4, J6) T
-        return jac
-    u = (v[:, :, None] @ wo_h.reshape(Hkv, G, Dv, E)).reshape(B, H, Lk, E)  # (JD4) U_h = V_h W^O_h
-    ubar = np.empty((B, H, Lq, E))  # (JD4) Ū_h = P̃ U_h, from the kernel
     coeff = np.zeros((B, H, Lq, E, Lk))
     if coeff.size:
         kern.jacobian_rows(q, k, u, 1, *rargs, kern.COEFF, coeff, ubar)  # (J7, JD4) s (P̃ U − W Ū)

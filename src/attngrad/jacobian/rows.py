@@ -26,9 +26,8 @@ _NO_SINKS = np.zeros(0)
 
 def row_kernels():
     """The module of compiled kernels (:mod:`._kernels`: ``jacobian_rows`` with what it
-    writes, ``BLOCK_Q``, ``COEFF``, ``KEPT``, ``outer_rows``, ``layer_heads``, and the
-    layer's W^Q and b^Q Jacobians ``layer_q_rows``, ``layer_bq_rows``), or None (numba
-    missing or switched off)."""
+    writes, ``BLOCK_Q``, ``COEFF``, ``KEPT``, ``outer_rows``, and the layer's
+    ``layer_heads`` and ``layer_u``), or None (numba missing or switched off)."""
     global _KERNELS
     if not fused.enabled():
         return None
