@@ -229,13 +229,10 @@ def make_mask_spec(
                 f"key_mask must have shape (B, Lk) = {(batch, lk)}; got {tuple(key_mask.shape)}"
             )
         keys = xp.asarray(key_mask)
-    q_seg = kv_seg = None
-    if q_segment_ids is not None or kv_segment_ids is not None:  # (the common case calls nothing)
-        q_seg, kv_seg = _segments(xp, q_segment_ids, kv_segment_ids, batch, lq, lk)
+    q_seg, kv_seg = _segments(xp, q_segment_ids, kv_segment_ids, batch, lq, lk)
     return frozen_record(
         MaskSpec, batch=batch, heads=heads, lq=lq, lk=lk, mask=norm_mask, keys=keys,
-        causal=None if causal is False else normalize_causal(causal, lq, lk),
-        window=None if window is None else _window(window), q_seg=q_seg, kv_seg=kv_seg,
+        causal=normalize_causal(causal, lq, lk), window=_window(window), q_seg=q_seg, kv_seg=kv_seg,
     )
 
 

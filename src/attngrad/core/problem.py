@@ -153,8 +153,8 @@ def make_problem(
         slopes = _per_head(xp, "alibi_slopes", alibi_slopes, ((sh.heads,), (sh.batch, sh.heads)), cdt)
         alibi_shape = tuple(slopes.shape)
         alibi_slopes = xp.reshape(slopes, (-1, sh.heads))  # (b, H)
-    p = 0.0 if type(dropout_p) is float and dropout_p == 0.0 else _dropout_p(dropout_p)  # the default: no call
-    seed = None if dropout_seed is None and p == 0.0 else _dropout_seed(dropout_seed, p)
+    p = _dropout_p(dropout_p)
+    seed = _dropout_seed(dropout_seed, p)
     if not isinstance(scale_grad, bool):
         raise TypeError(f"scale_grad must be True or False; got {scale_grad!r}")
     return frozen_record(

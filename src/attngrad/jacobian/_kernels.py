@@ -3,11 +3,11 @@
 
 One pass per query row (b, h, i) forms that row of the primal, (A1)-(A3) with the
 variants (V1)-(V4) as fixed values and the mask structure (V5, V6) as ``allowed``, and
-writes the row's part of (JD2), (JD3) or (J8) (:func:`jacobian_rows`);
-:func:`outer_rows` is the layer's (JD5) product T ⊗ X_q, :func:`layer_heads` its projections
-(M1) split into heads, and :func:`layer_u` its U = V W^O (JD4).  A small Jacobian costs one call instead of a few dozen NumPy calls (at
-the sizes these tools are for, the calls, not the flops, are the cost).  No fast-math:
-the sums run in the written order, float64.
+writes the row's part of (JD2), (JD3) or (J8) (:func:`jacobian_rows`); for the layer,
+:func:`layer_heads` forms its projections (M1) split into heads, :func:`layer_u` its
+U = V W^O (JD4) and :func:`outer_rows` its (JD5) product T ⊗ X_q.  A small Jacobian costs a
+few calls instead of a few dozen NumPy calls (at the sizes these tools are for, the calls,
+not the flops, are the cost).  No fast-math: the sums run in the written order, float64.
 """
 
 from __future__ import annotations
@@ -189,8 +189,6 @@ def layer_heads(xq, xk, xv, wq, bq, wk, bk, wv, bv, q, k, v):
     _project_heads(xq, wq, bq, q, row)
     _project_heads(xk, wk, bk, k, row)
     _project_heads(xv, wv, bv, v, row)
-
-
 
 
 @_jit

@@ -301,8 +301,7 @@ def _layer_param_rows(kern, st, params, wrt: str):
     E = wo.shape[1]
     if wrt == "b_o":
         return _bo_blocks(B, Lq, E)
-    G = H // Hkv if Hkv else 1
-    wo_h = wo.reshape(H, Dv, E)  # (H, Dv, E): rows of W^O read by head h
+    G = H // Hkv
     rargs = row_args(st.allowed, st.scale, st.variants)
     if wrt in ("W_o", "W_v", "b_v"):
         kept, o = np.zeros((B, H, Lq, Lk, 1)), np.empty((B, H, Lq, Dv))
@@ -310,7 +309,7 @@ def _layer_param_rows(kern, st, params, wrt: str):
             kern.jacobian_rows(q, k, v, G, *rargs, kern.KEPT, kept, o)  # P̃ (J8, V3) and O (A3)
         if wrt == "W_o":
             return _wo_blocks(o, E)
-        return _v_blocks(kept[..., 0], xv, wo_h, G, wrt)
+        return _v_blocks(kept[..., 0], xv, wo.reshape(H, Dv, E), G, wrt)  # W^O by head h: (H, Dv, E)
     u, ubar = np.empty((B, H, Lk, E)), np.empty((B, H, Lq, E))  # (JD4) Ū_h = P̃ U_h, from the row kernel
     kern.layer_u(v, wo, u)  # (JD4) U_h = V_h W^O_h
     if wrt in ("W_q", "b_q"):

@@ -21,7 +21,7 @@ _KERNELS = None  # the module :mod:`._kernels`, False when numba is missing
 _ALL = np.ones((1, 1, 1, 1), bool)  # every key allowed
 _NO_ADD = np.zeros((1, 1, 1, 1))  # no bias, no ALiBi
 _NO_KEEP = np.ones((1, 1, 1, 1))  # no dropout
-_NO_SINKS = np.zeros(0)
+_NONE = np.zeros(0)  # no sinks; a projection without its bias
 
 
 def row_kernels():
@@ -46,9 +46,6 @@ def _four(a: np.ndarray) -> np.ndarray:
     return a if a.ndim == 4 else a.reshape((1,) * (4 - a.ndim) + a.shape)
 
 
-_NO_BIAS = np.zeros(0)
-
-
 def layer_heads(kern, params, srcs, heads: int, kv_heads: int) -> tuple:
     """(M1) Q, K, V split into heads, (B, H, Lq, D), (B, Hkv, Lk, D), (B, Hkv, Lk, Dv), by
     the compiled ``layer_heads`` for checked float64 ``params`` and sources (X_q, X_k, X_v)
@@ -56,11 +53,10 @@ def layer_heads(kern, params, srcs, heads: int, kv_heads: int) -> tuple:
     ``split_heads``, summed in another order."""
     (B, Lq, _), Lk = srcs[0].shape, srcs[1].shape[1]
     w = [params[f"W_{n}"] for n in "qkv"]
-    b = [params.get(f"b_{n}") for n in "qkv"]
     out = (np.empty((B, heads, Lq, w[0].shape[1] // heads)), np.empty((B, kv_heads, Lk, w[1].shape[1] // kv_heads)),
            np.empty((B, kv_heads, Lk, w[2].shape[1] // kv_heads)))
-    kern.layer_heads(*srcs, w[0], _NO_BIAS if b[0] is None else b[0], w[1], _NO_BIAS if b[1] is None else b[1],
-                     w[2], _NO_BIAS if b[2] is None else b[2], *out)  # (M1)
+    b = [params.get(f"b_{n}", _NONE) for n in "qkv"]  # (a length-0 bias: none)
+    kern.layer_heads(*srcs, w[0], b[0], w[1], b[1], w[2], b[2], *out)  # (M1)
     return out
 
 
@@ -70,7 +66,7 @@ def row_args(allowed, scale, var: LogitVariants) -> tuple:
     return (
         _ALL if allowed is None else _four(allowed),
         _NO_ADD if var.add is None else _four(var.add),
-        _NO_SINKS if var.sinks is None else var.sinks.reshape(-1),
+        _NONE if var.sinks is None else var.sinks.reshape(-1),
         0.0 if var.softcap is None else float(var.softcap),
         _NO_KEEP if var.keep is None else _four(var.keep),
         float(scale),
