@@ -9,6 +9,9 @@
 NumPy float64 throughout: these are references for checking, for small sizes.  With
 the ``fast`` extra (numba) the closed-form Jacobians run their blocks through compiled
 row kernels (:mod:`.rows`); the NumPy form is the fallback and the tests hold the two equal.
+Each call's validated structure is memoised by its inputs' dtypes and shapes and its
+options' values (:mod:`.memo`; ``memo.clear()`` empties it), so repeated calls of one
+shape run no checks.
 
 Today's variants (V1-V7, :mod:`.variants`): every function takes sdpa_forward's variant
 keywords by name; the JVPs, Jacobians and HVPs carry all of them (soft-cap, sinks, bias,

@@ -25,8 +25,9 @@ import numpy as np
 
 from ..core.dense import softmax_with_sinks
 from ..core.problem import SDPAShape, make_problem
-from ..layers.mha import BIASES, WEIGHTS, check_inputs, check_params
+from ..layers.mha import BIASES, WEIGHTS, check_inputs, check_params, input_sources
 from ..ops import merge_heads, project, split_heads
+from . import memo
 from .variants import (
     NO_VARIANTS,
     VARIANT_DEFAULTS,
@@ -89,11 +90,26 @@ def attention_structure(q, k, v, *, mask=None, key_lengths=None, key_mask=None, 
     sdpa_forward; those a tool of ``kind`` cannot honour are refused, naming ``who``.
     Validation is the library's front door (make_problem: one scale rule, one mask rule).
     ``shape``: the :class:`~attngrad.core.problem.SDPAShape` of q, k, v when the caller
-    formed them from checked float64 inputs (the layer's heads): their checks are not repeated."""
+    formed them from checked float64 inputs (the layer's heads): their checks are not repeated.
+    Memoised (:mod:`.memo`): a repeated call with q, k, v of the same dtypes and shapes and
+    the same options gets the kept structure (shared, read-only by convention)."""
+    variants = variants or {}
+    mkey = memo.key((q, k, v), (mask, key_lengths, key_mask, causal, scale, *variants.values()),
+                    ("attention_structure", who, kind, shape, *variants))
+    hit = memo.get(mkey)
+    if hit is not None:
+        return hit
+    return memo.put(mkey, _attention_structure(q, k, v, mask=mask, key_lengths=key_lengths, key_mask=key_mask,
+                                             causal=causal, scale=scale, variants=variants, who=who, kind=kind,
+                                             shape=shape))
+
+
+def _attention_structure(q, k, v, *, mask, key_lengths, key_mask, causal, scale, variants, who, kind, shape):
+    """:func:`attention_structure` without the memo: the front door's checks."""
     if shape is None:
         for name, a in (("q", q), ("k", k), ("v", v)):
             _f64(name, a)
-    opts = {**VARIANT_DEFAULTS, **(variants or {})}
+    opts = {**VARIANT_DEFAULTS, **variants}
     refuse_unsupported(who, kind, opts)
     for name in ("bias", "sinks", "alibi_slopes"):
         if opts[name] is not None:
@@ -227,9 +243,30 @@ SOURCE_ROLES = ("query", "key", "value")
 _PLAIN_PARAMS = frozenset(WEIGHTS + BIASES)  # the parameters of (M1)-(M4)
 
 
+def _layer_key(site: str, params, query, key, value, options: tuple, exact: tuple = ()):
+    """The memo's key (:func:`.memo.key`) of a layer call: the inputs given and the
+    parameters by dtype and shape, the parameter names and which inputs are None exactly,
+    ``options`` by value.  None (not memoised) unless ``params`` is a dict."""
+    if type(params) is not dict:
+        return None
+    given = (query,) if key is None and value is None else tuple(a for a in (query, key, value) if a is not None)
+    return memo.key((*given, *params.values()), options, (site, key is None, value is None, *params, *exact))
+
+
 def check_layer(params, query, key, value, num_heads, num_kv_heads) -> tuple:
     """The layer's checks (as mha_forward) plus the Jacobian tools' own: float64 NumPy, and
-    only the parameters (M1)-(M4) model.  Returns (H, Hkv, roles, (X_q, X_k, X_v))."""
+    only the parameters (M1)-(M4) model.  Returns (H, Hkv, roles, (X_q, X_k, X_v)).
+    Memoised (:mod:`.memo`) by the inputs' and parameters' dtypes and shapes, the
+    parameter names and the head counts: none of the checks reads a value."""
+    mkey = _layer_key("check_layer", params, query, key, value, (num_heads, num_kv_heads))
+    hit = memo.get(mkey)
+    if hit is None:
+        hit = memo.put(mkey, _check_layer(params, query, key, value, num_heads, num_kv_heads)[:3])
+    return (*hit, input_sources(query, key, value)[1])
+
+
+def _check_layer(params, query, key, value, num_heads, num_kv_heads) -> tuple:
+    """:func:`check_layer` without the memo."""
     H, Hkv, _, _ = check_params(params, num_heads, num_kv_heads)
     other = sorted(set(params) - _PLAIN_PARAMS)
     if other:
@@ -297,15 +334,15 @@ def _heads(params, srcs, H: int, Hkv: int) -> tuple:
 
 
 def _layer_structure(params, srcs, H, Hkv, *, mask, key_lengths, key_mask, causal, scale, variants, who,
-                     kind, heads=_heads) -> LayerStructure:
+                     kind, heads=_heads, structure=attention_structure) -> LayerStructure:
     """(M1) on checked params and inputs: the projections split into heads (by ``heads``:
     :func:`_heads`, or the compiled :func:`.rows.layer_heads`), and the attention's
-    validated structure."""
+    validated structure (by ``structure``: memoised or not)."""
     heads = heads(params, srcs, H, Hkv)
     (B, _, Lq, D), (_, _, Lk, Dv) = heads[0].shape, heads[2].shape  # consistent: check_layer checked the layer
-    _, allowed, s, var = attention_structure(*heads, mask=mask, key_lengths=key_lengths, key_mask=key_mask,
-                                             causal=causal, scale=scale, variants=variants, who=who, kind=kind,
-                                             shape=SDPAShape(B, H, Hkv, Lq, Lk, D, Dv))
+    _, allowed, s, var = structure(*heads, mask=mask, key_lengths=key_lengths, key_mask=key_mask, causal=causal,
+                                   scale=scale, variants=variants, who=who, kind=kind,
+                                   shape=SDPAShape(B, H, Hkv, Lq, Lk, D, Dv))
     return LayerStructure(srcs, heads, allowed, s, var)
 
 
@@ -322,14 +359,27 @@ def layer_structure(params, query, key=None, value=None, *, num_heads, num_kv_he
                     kind: str = "closed", heads=_heads) -> LayerStructure:
     """The layer validated as :func:`layer_jvp_parts` validates it (same keywords, no
     tangents), up to the attention's structure.  ``heads(params, sources, H, Hkv)`` forms
-    Q, K, V split into heads (:func:`_heads` by default)."""
+    Q, K, V split into heads (:func:`_heads` by default).  Memoised as one (:mod:`.memo`):
+    a repeated call with inputs and parameters of the same dtypes and shapes and the same
+    options runs none of the checks, only ``heads``."""
     variants = {"bias": bias, "softcap": softcap, "sinks": sinks, "alibi_slopes": alibi_slopes, "window": window,
                 "q_segment_ids": q_segment_ids, "kv_segment_ids": kv_segment_ids, "dropout_p": dropout_p,
                 "dropout_seed": dropout_seed, "scale_grad": scale_grad}
+    mkey = _layer_key("layer_structure", params, query, key, value,
+                      (num_heads, num_kv_heads, mask, key_lengths, key_mask, causal, scale, *variants.values()),
+                      (who, kind))  # (the variants' names: this function's own, always the same)
+    hit = memo.get(mkey)
+    if hit is not None:
+        H, Hkv, allowed, s, var = hit
+        srcs = input_sources(query, key, value)[1]
+        return LayerStructure(srcs, heads(params, srcs, H, Hkv), allowed, s, var)
     refuse_unsupported(who, kind, variants)  # before any other work
-    H, Hkv, _, srcs = check_layer(params, query, key, value, num_heads, num_kv_heads)
-    return _layer_structure(params, srcs, H, Hkv, mask=mask, key_lengths=key_lengths, key_mask=key_mask,
-                            causal=causal, scale=scale, variants=variants, who=who, kind=kind, heads=heads)
+    H, Hkv, _, srcs = _check_layer(params, query, key, value, num_heads, num_kv_heads)
+    st = _layer_structure(params, srcs, H, Hkv, mask=mask, key_lengths=key_lengths, key_mask=key_mask,
+                          causal=causal, scale=scale, variants=variants, who=who, kind=kind, heads=heads,
+                          structure=_attention_structure)
+    _, _, allowed, s, var = memo.put(mkey, (H, Hkv, st.allowed, st.scale, st.variants))
+    return st._replace(allowed=allowed, variants=var)
 
 
 def layer_primal(params, query, key=None, value=None, **kwargs) -> LayerPrimal:

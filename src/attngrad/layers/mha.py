@@ -117,15 +117,22 @@ def check_params(params, num_heads: int, num_kv_heads: int | None = None) -> tup
     return num_heads, hkv, d, dv
 
 
+def input_sources(query, key=None, value=None) -> tuple[tuple, tuple]:
+    """The one defaulting rule of the layer's inputs: key defaults to query, value to key.
+    Returns the argument each projection reads, ``("query", "query" | "key", "query" |
+    "key" | "value")``, and those arrays (X_q, X_k, X_v), unchecked."""
+    key_src = query if key is None else key
+    value_src = key_src if value is None else value
+    k_role = "query" if key is None else "key"
+    return ("query", k_role, k_role if value is None else "value"), (query, key_src, value_src)
+
+
 def check_inputs(params, query, key=None, value=None) -> tuple[tuple, tuple]:
     """The layer's inputs, checked against checked ``params``: 3-D arrays of one floating
     dtype, feature sizes matching W_q, W_k, W_v, one B, one Lk.  Returns which argument
     each projection reads, ``("query", "query" | "key", "query" | "key" | "value")``, and
-    those arrays (X_q, X_k, X_v): key defaults to query, value to key."""
-    key_src = query if key is None else key
-    value_src = key_src if value is None else value
-    k_role = "query" if key is None else "key"
-    sources = ("query", k_role, k_role if value is None else "value")
+    those arrays (X_q, X_k, X_v): key defaults to query, value to key (:func:`input_sources`)."""
+    sources, (_, key_src, value_src) = input_sources(query, key, value)
     for name, x in (("query", query), ("key", key_src), ("value", value_src)):
         check_array(name, x, 3, "(B, L, E)")
     check_float_dtypes({"query": query, "key": key, "value": value, **params})
