@@ -396,3 +396,33 @@ def test_cblas_lookup_finds_numpys_blas_or_says_none():
     found = cblas_gemm()
     assert found is None or (found.sgemm and found.dgemm and isinstance(found.ilp64, bool))
     assert cblas_gemm() is found  # looked up once
+
+
+@needs_numba
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_column_sums_are_einsums_float64_sums(dtype, monkeypatch):
+    """The compiled bias-gradient sum (F2) adds the rows in order, in float64: bitwise a
+    row-by-row loop, and einsum's sums (bitwise where einsum walks rows too: row-major
+    arrays, as the layers pass), for contiguous, strided, transposed and empty arrays;
+    bias_grad takes it when numba is on and einsum when it is off."""
+    from attngrad.ops import bias_grad
+
+    rng = np.random.default_rng(5)
+    big = (rng.standard_normal((300, 40)) * 10.0 ** rng.integers(-3, 4, (300, 40))).astype(dtype)
+    row_major = (big, big[::3, 5:17], big[:0], big[:, :0])
+    for a in (*row_major, big.T[:7], np.asfortranarray(big)):
+        loop = np.zeros(a.shape[1])
+        for row in a:
+            loop += row.astype(np.float64)
+        want = np.einsum("ij->j", a, dtype=np.float64)
+        got = fused.column_sums(a)
+        assert got.dtype == np.float64 and got.shape == want.shape
+        assert got.tobytes() == loop.tobytes()
+        if any(a is b for b in row_major):
+            assert got.tobytes() == want.tobytes()
+        assert np.max(np.abs(got - want), initial=0.0) <= 1e-15 * np.max(np.abs(want), initial=0.0)
+    dy = big.reshape(3, 100, 40)
+    on = bias_grad(np, dy)
+    monkeypatch.setenv("ATTNGRAD_NO_NUMBA", "1")
+    off = bias_grad(np, dy)
+    assert on.dtype == off.dtype == dtype and on.tobytes() == off.tobytes()

@@ -188,6 +188,21 @@ def vexp(x, out):
 
 
 @_jit
+def column_sums(a, out):
+    """(F2) out_j <- sum_i a_ij in float64, the rows added in order (as NumPy's
+    ``einsum("ij->j", a, dtype=float64)`` adds them for a row-major ``a``); a (n, m)
+    float32 or float64, out (m,) float64.  Adds only, each column its own sum, so the
+    result does not depend on vector width or alignment."""
+    n, m = a.shape
+    for j in range(m):
+        out[j] = 0.0
+    for i in range(n):
+        row = a[i]
+        for j in range(m):
+            out[j] += np.float64(row[j])
+
+
+@_jit
 def softmax_rows(s, r0, r1):
     """(A2) rows [r0, r1) of s (rows, n) in place: P = e^(S - m) / sum, m the row max
     (0 for a row with nothing allowed: all -inf gives P = 0)."""

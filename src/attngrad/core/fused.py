@@ -105,6 +105,7 @@ def _kernels():
                 "vexp": k.vexp,
                 "softmax_rows": k.softmax_rows,
                 "dsoftmax_rows": k.dsoftmax_rows,
+                "column_sums": k.column_sums,
             }
     return _KERNELS or None
 
@@ -166,6 +167,16 @@ def dsoftmax_inplace(dp, p):
     delta = np.empty(dp2.shape[0], dtype=np.float64)
     _split_rows(kernels()["dsoftmax_rows"], dp2.shape[0], dp.size, dp2, p2, delta)
     return dp, delta.reshape(*dp.shape[:-1], 1)
+
+
+def column_sums(a):
+    """(F2) the float64 sums of the columns of a 2-D NumPy float32/float64 array (any
+    strides), rows added in order: for a row-major array bitwise what
+    ``np.einsum("ij->j", a, dtype=np.float64)`` gives, without its casting buffer (a
+    quarter of the time at (1024, 512))."""
+    out = np.empty(a.shape[1], dtype=np.float64)
+    kernels()["column_sums"](a, out)
+    return out
 
 
 def exp(x):
