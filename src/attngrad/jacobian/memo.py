@@ -35,8 +35,11 @@ import threading
 import numpy as np
 
 MAX_ENTRIES = 64
-MAX_OPTION_BYTES = 1 << 16  # an option array larger than this is not memoised
-MAX_ENTRY_BYTES = 1 << 20  # nor a structure whose kept arrays exceed this
+MAX_OPTION_BYTES = 1 << 14  # an option array larger than this is not memoised
+MAX_ENTRY_BYTES = 1 << 18  # nor a structure whose kept arrays exceed this
+# So the memo holds at most MAX_ENTRIES * (MAX_ENTRY_BYTES + 8 * MAX_OPTION_BYTES) bytes of
+# arrays (8 array options at most: mask, key lengths, key mask, bias, sinks, slopes, two
+# segment ids): 24 MiB in the worst case; a few KiB for the usual key padding or causal mask.
 
 _memo: dict = {}
 _lock = threading.Lock()
