@@ -96,12 +96,9 @@ def attention_structure(q, k, v, *, mask=None, key_lengths=None, key_mask=None, 
     variants = variants or {}
     mkey = memo.key((q, k, v), (mask, key_lengths, key_mask, causal, scale, *variants.values()),
                     ("attention_structure", who, kind, shape, *variants))
-    hit = memo.get(mkey)
-    if hit is not None:
-        return hit
-    return memo.put(mkey, _attention_structure(q, k, v, mask=mask, key_lengths=key_lengths, key_mask=key_mask,
-                                             causal=causal, scale=scale, variants=variants, who=who, kind=kind,
-                                             shape=shape))
+    return memo.cached(mkey, lambda: _attention_structure(
+        q, k, v, mask=mask, key_lengths=key_lengths, key_mask=key_mask, causal=causal, scale=scale,
+        variants=variants, who=who, kind=kind, shape=shape))
 
 
 def _attention_structure(q, k, v, *, mask, key_lengths, key_mask, causal, scale, variants, who, kind, shape):
@@ -259,10 +256,8 @@ def check_layer(params, query, key, value, num_heads, num_kv_heads) -> tuple:
     Memoised (:mod:`.memo`) by the inputs' and parameters' dtypes and shapes, the
     parameter names and the head counts: none of the checks reads a value."""
     mkey = _layer_key("check_layer", params, query, key, value, (num_heads, num_kv_heads))
-    hit = memo.get(mkey)
-    if hit is None:
-        hit = memo.put(mkey, _check_layer(params, query, key, value, num_heads, num_kv_heads)[:3])
-    return (*hit, input_sources(query, key, value)[1])
+    kept = memo.cached(mkey, lambda: _check_layer(params, query, key, value, num_heads, num_kv_heads)[:3])
+    return (*kept, input_sources(query, key, value)[1])
 
 
 def _check_layer(params, query, key, value, num_heads, num_kv_heads) -> tuple:

@@ -24,7 +24,8 @@ string, None or a tuple/list of those; a structure whose arrays exceed
 never returned to the caller, never written (the tools only read them).  At most
 :data:`MAX_ENTRIES` structures are kept (the oldest is dropped first).
 
-:func:`clear` empties the memo; :func:`info` gives (hits, misses, size).
+:func:`cached` is the lookup a call site makes; :func:`clear` empties the memo; :func:`info`
+gives (hits, misses, size).
 """
 
 from __future__ import annotations
@@ -138,6 +139,12 @@ def put(k, value):
             del _memo[next(iter(_memo))]  # the oldest
         _memo[k] = kept
     return kept
+
+
+def cached(k, compute):
+    """The structure kept under ``k``, else ``compute()`` kept (:func:`put`) and returned."""
+    hit = get(k)
+    return put(k, compute()) if hit is None else hit
 
 
 def clear() -> None:
