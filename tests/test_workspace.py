@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import pytest
 
 from attngrad.core import workspace
 
@@ -37,21 +38,27 @@ def test_threads_have_their_own_buffers():
     assert not np.shares_memory(mine, theirs[0])
 
 
-def test_the_layer_backward_is_the_same_with_fresh_temporaries(monkeypatch):
-    """The dense core's dP and the layer's merged head gradients share the SEQUENTIAL
-    buffer, one after the other: the gradients equal (bitwise) those computed with every
-    temporary allocated afresh (MAX_BYTES = 0), for self- and cross-attention, twice in a
-    row (a second call must not read what the first left in the buffer)."""
+@pytest.mark.parametrize("qk_norm", [None, "rms"])
+def test_the_layer_backward_is_the_same_with_fresh_temporaries(monkeypatch, qk_norm):
+    """The layer backward's temporaries: the core writes dQ, dK, dV into the merged-heads
+    buffer ("mha.dproj") while dP is alive in the SEQUENTIAL one; with QK-norm, the merged
+    head gradients are copied into the SEQUENTIAL buffer after dP is dead.  The gradients
+    equal (bitwise) those computed with every temporary allocated afresh (MAX_BYTES = 0),
+    for self- and cross-attention, twice in a row (a second call must not read what the
+    first left in a buffer)."""
     from attngrad import init_mha_params, mha_backward, mha_forward
 
     rng = np.random.default_rng(0)
     params = init_mha_params(16, 4, num_kv_heads=2, dtype="float32", rng=1)
+    if qk_norm:
+        params.update(q_norm_w=np.linspace(0.5, 1.5, 4, dtype=np.float32),
+                      k_norm_w=np.linspace(1.2, 0.8, 4, dtype=np.float32))
     x = rng.standard_normal((2, 7, 16)).astype(np.float32)
     m = rng.standard_normal((2, 5, 16)).astype(np.float32)
     dy = rng.standard_normal((2, 7, 16)).astype(np.float32)
 
     def grads(kv):
-        _, cache = mha_forward(params, x, kv, num_heads=4, num_kv_heads=2, impl="dense")
+        _, cache = mha_forward(params, x, kv, num_heads=4, num_kv_heads=2, impl="dense", qk_norm=qk_norm)
         return mha_backward(dy, cache)
 
     runs = {}

@@ -176,17 +176,20 @@ def masked_softmax(xp, s, allowed=None, *, overwrite: bool = False):
     return softmax_with_sinks(xp, s, allowed, overwrite=overwrite)[0]
 
 
-def dense_backward(xp, do, cache: SDPACache) -> dict:
+def dense_backward(xp, do, cache: SDPACache, out: dict | None = None) -> dict:
     """Closed-form gradients (A4-A10, V1-V7) from the dense cache; dOut validated, compute
-    dtype, (B, H, Lq, Dv)."""
+    dtype, (B, H, Lq, Dv).  ``out``: NumPy arrays (any strides) of the compute dtype that
+    dQ (B, H, Lq, D), dK, dV are formed in, by key "q", "k", "v" (some or none; dQ only
+    without grouped heads, whose (B, Hkv, G*Lq, D) layout a strided view cannot take)."""
     prob = cache.problem
     sh = prob.shape
     B, H, Hkv, Lq, Lk, D, Dv = sh
     G = sh.group
     p, qg, k, v = cache.p, cache.q, cache.k, cache.v
+    out = out or {}
     do = xp.reshape(do, (B, Hkv, G * Lq, Dv))  # (B, Hkv, G*Lq, Dv)
     z = _keep(xp, prob, p) if prob.dropout else None  # (V3) regenerated once, never stored
-    dv = xp.matrix_transpose(_dropped(xp, p, prob, z)) @ do  # (A4) (B, Hkv, Lk, Dv), summed over the group
+    dv = _product(xp, xp.matrix_transpose(_dropped(xp, p, prob, z)), do, out.get("v"))  # (A4) (B, Hkv, Lk, Dv), summed over the group
     dp = _dropped(xp, _dp_product(xp, do, v, prob), prob, z)  # (A5, V3) dP = (dO V^T) Z / (1 - p)
     # (A6) delta = rowsum(P * dP): with P at hand, the form whose rounding matches dP's, so
     # dP - delta cancels as exactly as the maths (float32 rule, RELIABILITY 24); the tiled
@@ -217,16 +220,22 @@ def dense_backward(xp, do, cache: SDPACache) -> dict:
         per = -xp.astype(xp.reshape(cache.psink * delta, (B, H, Lq)), xp.float64)  # (B, H, Lq)
         grads["sinks"] = xp.sum(xp.sum(per, axis=2), axis=0)  # (H,)
     ds = softcap_backward(xp, ds, cache.t)  # (V1) dS0
-    dq_raw = ds @ k  # (B, Hkv, G*Lq, D)  dS0 K
+    dq_raw = _product(xp, ds, k, out.get("q") if G == 1 else None)  # (B, Hkv, G*Lq, D)  dS0 K
     if prob.scale_grad:  # (V7) dL/dscale = sum(Q * dS0 K)
         grads["scale"] = xp.sum(xp.astype(qg * dq_raw, xp.float64))
-    dk = xp.matrix_transpose(ds) @ qg  # (B, Hkv, Lk, D)
+    dk = _product(xp, xp.matrix_transpose(ds), qg, out.get("k"))  # (B, Hkv, Lk, D)
     if xp is np:  # in place: the products' fresh buffers
         dq = np.multiply(dq_raw, prob.scale, out=dq_raw)  # (A8) (B, Hkv, G*Lq, D)
         dk = np.multiply(dk, prob.scale, out=dk)  # (A9)
     else:  # (torch autograd refuses in-place changes inside a custom Function's backward)
         dq, dk = prob.scale * dq_raw, dk * prob.scale  # (A8, A9)
     return {"q": xp.reshape(dq, (B, H, Lq, D)), "k": dk, "v": dv, **grads}
+
+
+def _product(xp, a, b, out=None):
+    """a @ b, into ``out`` (a NumPy array of the result's shape, any strides) when given:
+    BLAS writes a strided result as it is (bitwise the fresh product), so no copy."""
+    return a @ b if out is None else np.matmul(a, b, out=out)
 
 
 def _dp_product(xp, do, v, prob: Problem):

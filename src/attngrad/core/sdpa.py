@@ -12,7 +12,11 @@ NumPy).  :func:`sdpa_backward` checks dOut and the cache and dispatches on the c
 
 from __future__ import annotations
 
-from ._xp import check_array, check_float_dtypes, namespace
+from collections.abc import Mapping
+
+import numpy as np
+
+from ._xp import check_array, check_float_dtypes, dtype_name, namespace
 from .dense import (
     SDPACache,
     _dropped,
@@ -112,12 +116,19 @@ def sdpa_forward(
     return dense_forward(xp, q, k, v, prob)
 
 
-def sdpa_backward(dout, cache) -> dict:
+def sdpa_backward(dout, cache, *, out=None) -> dict:
     """Closed-form gradients of attention given dOut (B, H, Lq, Dv).
 
     Returns ``{"q": dQ, "k": dK, "v": dV}``, plus ``"bias"`` (reduced to the bias's shape),
     ``"sinks"`` (H,), ``"alibi_slopes"`` (the slopes' shape) and ``"scale"`` (a 0-d array)
     when the forward had them.  Equations A4-A10, V1-V7 of docs/equations.md.
+
+    ``out``: optional mapping from some of ``"q"``, ``"k"``, ``"v"`` to writeable NumPy
+    arrays of those gradients' shapes and the forward's dtype, any strides (a view of a
+    larger buffer, e.g. merged heads (B, L, H, D) seen as (B, H, L, D)).  Each of those
+    gradients is written there and returned as that array.  On the dense path dQ, dK and
+    dV are formed in place there (no copy; dQ under grouped heads excepted); elsewhere they
+    are copied in.
     """
     if not isinstance(cache, SDPACache | TiledCache):
         raise TypeError(
@@ -126,6 +137,7 @@ def sdpa_backward(dout, cache) -> dict:
         )
     prob = cache.problem
     check_dout(dout, prob.shape)
+    out = check_out(out, prob, isinstance(cache, TiledCache) or isinstance(cache.p, np.ndarray))
     if isinstance(cache, TiledCache):
         if type(dout).__module__.split(".")[0] != "numpy":
             raise TypeError(f"dout must be a NumPy array for the tiled path; got {type(dout).__name__}")
@@ -133,8 +145,42 @@ def sdpa_backward(dout, cache) -> dict:
         grads = tiled_backward(dout, cache)
     else:
         xp = namespace(dout, cache.p)
-        grads = dense_backward(xp, xp.astype(dout, prob.cdt, copy=False), cache)
-    return {name: xp.astype(g, prob.dtype, copy=False) for name, g in grads.items()}
+        direct = out if out and xp is np and prob.cdt == prob.dtype else None  # formed in place there
+        grads = dense_backward(xp, xp.astype(dout, prob.cdt, copy=False), cache, out=direct)
+    grads = {name: xp.astype(g, prob.dtype, copy=False) for name, g in grads.items()}
+    for name, a in (out or {}).items():
+        if grads[name] is not a:
+            np.copyto(a, grads[name])
+            grads[name] = a
+    return grads
+
+
+def check_out(out, prob, numpy_forward: bool) -> dict | None:
+    """``out`` of :func:`sdpa_backward`: None, or a mapping from some of "q", "k", "v" to
+    writeable NumPy arrays of the gradients' shapes and ``prob``'s dtype, for a NumPy
+    forward.  Returns a dict (None for None or an empty mapping)."""
+    if out is None:
+        return None
+    if not isinstance(out, Mapping):
+        raise TypeError(f"out must be a mapping from 'q', 'k', 'v' to arrays, or None; got {type(out).__name__}")
+    if not numpy_forward and out:
+        raise TypeError("out is for a NumPy forward; this cache holds another library's arrays")
+    B, H, Hkv, Lq, Lk, D, Dv = prob.shape
+    want = {"q": (B, H, Lq, D), "k": (B, Hkv, Lk, D), "v": (B, Hkv, Lk, Dv)}
+    unknown = sorted(map(repr, set(out) - set(want)))
+    if unknown:
+        raise ValueError(f"out has keys [{', '.join(unknown)}]; expected some of ['q', 'k', 'v']")
+    for name, a in out.items():
+        label = f"out[{name!r}]"
+        if not isinstance(a, np.ndarray):
+            raise TypeError(f"{label} must be a NumPy array; got {type(a).__name__}")
+        if a.shape != want[name]:
+            raise ValueError(f"{label} must have the gradient's shape {want[name]}; got {a.shape}")
+        if a.dtype != np.dtype(prob.dtype):
+            raise TypeError(f"{label} must have the forward's dtype {dtype_name(prob.dtype)}; got {a.dtype}")
+        if not a.flags.writeable:
+            raise ValueError(f"{label} must be writeable")
+    return dict(out) or None
 
 
 def attention_weights(cache, *, dropped: bool = False):

@@ -23,10 +23,12 @@ import numpy as np
 
 MAX_BYTES = 1 << 26  # 64 MiB per buffer; larger temporaries are allocated afresh
 
-# The key shared by the layer backward's two large temporaries, one after the other: the
-# dense core's dP (dead when sdpa_backward returns) and then the projections' merged
-# heads (mha._projections_backward).  One buffer instead of two: the layer's peak memory
-# is that of the larger, not of both (B=4, N=256, E=512: 8 MB, not 8 + 6).
+# The key shared by large temporaries never alive at once: the dense core's dP (dead when
+# sdpa_backward returns) and, after it, the projections' merged heads when they are
+# copied (mha._projections_backward under QK-norm or RoPE; otherwise the core writes
+# dQ, dK, dV straight into the layer's own "mha.dproj" buffer, alive beside dP in place
+# of three fresh gradient arrays).  One buffer instead of two: B=4, N=256, E=512: 8 MB,
+# not 8 + 6.
 SEQUENTIAL = "sequential"
 _LOCAL = threading.local()
 

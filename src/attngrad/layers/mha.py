@@ -207,9 +207,11 @@ def mha_forward(
     xp = namespace(query, key, value, *params.values())
     wq, wk, wv, wo = (params[w] for w in WEIGHTS)
     bq, bk, bv, bo = (params.get(b) for b in BIASES)
-    q = _heads(xp, project(xp, query, wq, bq), H)  # (M1) (B, H, Lq, D)
-    k = _heads(xp, project(xp, key_src, wk, bk), Hkv)  # (M1) (B, Hkv, Lk, D)
-    v = _heads(xp, project(xp, value_src, wv, bv), Hkv)  # (M1) (B, Hkv, Lk, Dv)
+    # (M1) split into heads as views: the core's per-head products read a head's (L, d)
+    # rows with a stride (BLAS takes it as they are), so no copy of Q, K, V is made
+    q = split_heads(xp, project(xp, query, wq, bq), H)  # (M1) (B, H, Lq, D)
+    k = split_heads(xp, project(xp, key_src, wk, bk), Hkv)  # (M1) (B, Hkv, Lk, D)
+    v = split_heads(xp, project(xp, value_src, wv, bv), Hkv)  # (M1) (B, Hkv, Lk, Dv)
     qk = None
     if qk_opts.active:
         q, k, qk = qk_prep_forward(params, q, k, qk_opts)  # (QN7) (B, H, Lq, D), (B, Hkv, Lk, D)
@@ -227,22 +229,6 @@ def mha_forward(
     y = project(xp, c, wo, bo)  # (M4) (B, Lq, E_out)
     cache = MHACache(dict(params), query, key_src, value_src, sources, c, attn, H, Hkv, qk)
     return y, cache
-
-
-def _heads(xp, y, heads: int, temporary: str | None = None):
-    """split_heads (B, L, heads*d) -> (B, heads, L, d), made contiguous for NumPy: the
-    core's many small per-head GEMMs run faster on contiguous heads than on the strided
-    view (issue 13: B=64, L=17, H=4, D=16, float32, one thread, the dense forward and
-    backward about 0.3-0.6 ms faster per call) at the cost of one copy (about 30 us).
-    ``temporary``: a workspace key when the result is needed during this call only."""
-    h = split_heads(xp, y, heads)  # (B, heads, L, d)
-    if xp is not np:
-        return h
-    buf = None if temporary is None else scratch(temporary, h.shape, h.dtype)
-    if buf is None:
-        return np.ascontiguousarray(h)
-    np.copyto(buf, h)
-    return buf
 
 
 def check_cache(cache) -> None:
@@ -289,7 +275,12 @@ def mha_backward(dy, cache: MHACache) -> tuple[dict, dict]:
     if "b_o" in p:
         grads["b_o"] = bias_grad(xp, dy2)  # (M5) db_o = sum dY
     dc = xp.reshape(dy2 @ xp.matrix_transpose(p["W_o"]), (B, Lq, -1))  # (M5) dC = dY W_o^T  (B, Lq, H*Dv)
-    g = sdpa_backward(_heads(xp, dc, cache.heads, "mha.dheads"), cache.attn)  # (M6) per-head A4-A9, V1-V7
+    roles_of = {}  # source -> the projections it fed, in q, k, v order
+    for role, src in zip("qkv", cache.sources, strict=True):
+        roles_of.setdefault(src, []).append(role)
+    merged = _merged_heads(xp, cache, roles_of)  # {source: (B, L, widths) buffer} and its head views
+    out = {r: view for _, views in merged.values() for r, view in views.items()}
+    g = sdpa_backward(split_heads(xp, dc, cache.heads), cache.attn, out=out)  # (M6) A4-A9, V1-V7
     for name in VARIANT_PARAMS:  # learned sinks and slopes (V2, V4)
         if name in p:
             grads[name] = g[name]
@@ -298,12 +289,9 @@ def mha_backward(dy, cache: MHACache) -> tuple[dict, dict]:
         grads.update(g_norm)  # (QN4) q_norm_w, k_norm_w
     inputs = {}
     arrays = {"query": cache.query, "key": cache.key, "value": cache.value}
-    roles_of = {}  # source -> the projections it fed, in q, k, v order
-    for role, src in zip("qkv", cache.sources, strict=True):
-        roles_of.setdefault(src, []).append(role)
     for src, roles in roles_of.items():
-        dx, g_proj = _projections_backward(xp, arrays[src], [g[r] for r in roles],
-                                           [_PROJ[r] for r in roles], p)  # (M7) (M8) (M9)
+        dx, g_proj = _projections_backward(xp, arrays[src], [g[r] for r in roles], [_PROJ[r] for r in roles],
+                                           p, merged.get(src, (None,))[0])  # (M7) (M8) (M9)
         grads.update(g_proj)
         inputs[src] = dx
     for name in ("bias", "scale"):  # the additive bias (A10) and the learned temperature (V7)
@@ -316,36 +304,83 @@ def mha_backward(dy, cache: MHACache) -> tuple[dict, dict]:
 _PROJ = {"q": ("W_q", "b_q"), "k": ("W_k", "b_k"), "v": ("W_v", "b_v")}
 
 
-def _projections_backward(xp, x, dheads, names, p) -> tuple:
+def _merged_heads(xp, cache: MHACache, roles_of: dict) -> dict:
+    """Where the attention core can write dQ, dK, dV straight into the merged-heads buffer
+    that :func:`_projections_backward` reads (NumPy, an input that fed several projections,
+    no QK-norm or RoPE between the core and the projections): ``{source: (buffer (B, L,
+    sum of widths), {role: its columns seen as (B, heads, L, d)})}``; else ``{}``.  The
+    buffer is this call's temporary (:mod:`~attngrad.core.workspace`, its own key: it is
+    alive while the core's dP is)."""
+    if xp is not np or cache.qk is not None:
+        return {}
+    shapes = {"q": (cache.heads, cache.attn.problem.shape.d), "k": (cache.kv_heads, cache.attn.problem.shape.d),
+              "v": (cache.kv_heads, cache.attn.problem.shape.dv)}
+    arrays = {"query": cache.query, "key": cache.key, "value": cache.value}
+    merged = {}
+    for src, roles in roles_of.items():
+        if len(roles) < 2:
+            continue
+        B, L = arrays[src].shape[:2]
+        buf = _merged_buffer("mha.dproj", B, L, [shapes[r] for r in roles], cache.context.dtype)
+        merged[src] = (buf, dict(zip(roles, _head_columns(buf, [shapes[r] for r in roles]), strict=True)))
+    return merged
+
+
+def _merged_buffer(key: str, B: int, L: int, heads: list, dtype) -> np.ndarray:
+    """A (B, L, sum of heads*d) temporary for the merged heads of shapes ``heads`` [(heads,
+    d), ...]: the workspace buffer ``key`` (:mod:`~attngrad.core.workspace`), or a fresh one."""
+    width = sum(h * d for h, d in heads)
+    buf = scratch(key, (B, L, width), dtype)
+    return np.empty((B, L, width), dtype=dtype) if buf is None else buf
+
+
+def _head_columns(buf, heads: list) -> list:
+    """The column blocks of a merged-heads buffer (B, L, sum of heads*d), one per (heads, d)
+    of ``heads`` in order, each seen as (B, heads, L, d): (M3) read backwards, as views."""
+    B, L, _ = buf.shape
+    views, off = [], 0
+    for h, d in heads:
+        views.append(buf[:, :, off:off + h * d].reshape(B, L, h, d).transpose(0, 2, 1, 3))  # (B, h, L, d)
+        off += h * d
+    return views
+
+
+def _projections_backward(xp, x, dheads, names, p, merged=None) -> tuple:
     """Backward of the projections that read one input X (B, L, in): (M7), (M8) and their
     sum (M9).  ``dheads``: dQ / dK / dV per head, (B, heads, L, d) each; ``names``: their
-    (weight, bias) keys.  Returns (dX (B, L, in), {weight and bias gradients}).
+    (weight, bias) keys; ``merged``: the (B, L, sum of widths) buffer whose columns
+    ``dheads`` already are (:func:`_merged_heads`), or None.  Returns (dX (B, L, in),
+    {weight and bias gradients}).
 
     NumPy with several projections (self-attention: Q, K, V; cross-attention: K, V): the
-    merged heads are written side by side into one (B*L, sum of widths) buffer, so dX is
-    one GEMM against the concatenated weights, summing the paths inside the GEMM (issue
-    13: B*L=1088, E=64, float32, one thread: 0.30 vs 0.35 ms for the three dX GEMMs and
-    their sum); dW and db stay one ops call per weight, on column views of the buffer.
+    merged heads lie side by side in one (B*L, sum of widths) buffer (written there by the
+    attention core, or copied in), so dX is one GEMM against the concatenated weights,
+    summing the paths inside the GEMM (issue 13: B*L=1088, E=64, float32, one thread: 0.30
+    vs 0.35 ms for the three dX GEMMs and their sum); dW stays one ops call per weight, on
+    column views of the buffer, and the biases' db one column sum over the whole buffer.
     Otherwise one projection at a time, dX accumulated.
     """
     B, L, n_in = x.shape
     x2 = xp.reshape(x, (B * L, n_in))  # (B*L, in)
     grads = {}
     if xp is np and len(dheads) > 1:
-        widths = [d.shape[1] * d.shape[3] for d in dheads]
-        buf = scratch(SEQUENTIAL, (B, L, sum(widths)), dheads[0].dtype)  # (B, L, sum heads*d) a temporary
-        buf = np.empty((B, L, sum(widths)), dtype=dheads[0].dtype) if buf is None else buf
-        off = 0
-        for d, w in zip(dheads, widths, strict=True):
-            view = buf[:, :, off:off + w].reshape(B, L, d.shape[1], d.shape[3])  # a view
-            np.copyto(view, d.transpose(0, 2, 1, 3))  # (M3) merged heads (B, L, heads, d)
-            off += w
-        d2 = buf.reshape(B * L, off)  # (B*L, sum widths)
+        heads = [(d.shape[1], d.shape[3]) for d in dheads]
+        widths = [h * d for h, d in heads]
+        buf = merged
+        if buf is None:  # (dP's buffer: dead by now)
+            buf = _merged_buffer(SEQUENTIAL, B, L, heads, dheads[0].dtype)  # (B, L, sum heads*d)
+            for view, d in zip(_head_columns(buf, heads), dheads, strict=True):
+                np.copyto(view, d)  # (M3) merged heads
+        d2 = buf.reshape(B * L, sum(widths))  # (B*L, sum widths)
+        # (M7) db = sum dQ for every bias at once: one pass over the contiguous buffer (its
+        # columns summed alone, so bitwise the per-projection sums, at a quarter of the time
+        # of three passes over strided column blocks)
+        sums = bias_grad(xp, d2) if any(bname in p for _, bname in names) else None  # (sum widths,)
         off = 0
         for (wname, bname), w in zip(names, widths, strict=True):
             grads[wname] = weight_grad(xp, x2, d2[:, off:off + w])  # (M7) dW = X^T dQ (in, w)
             if bname in p:
-                grads[bname] = bias_grad(xp, d2[:, off:off + w])  # (M7) db = sum dQ (w,)
+                grads[bname] = sums[off:off + w].copy()  # (M7) (w,) its own array, not a view
             off += w
         ws = [p[wname] for wname, _ in names]
         w_cat = scratch("mha.wcat", (n_in, off), np.result_type(*ws))  # (in, sum widths) a temporary
