@@ -157,3 +157,33 @@ def test_layer_gradients_bitwise_from_call_to_call(flavor, impl):
     for i, a in enumerate(everything):
         for b in everything[i + 1:]:
             assert not np.shares_memory(a, b)
+
+
+@pytest.mark.parametrize("impl", ["dense", "tiled"])
+def test_out_overlapping_the_inputs_gets_the_right_values(impl):
+    """``out`` may be the very arrays the forward read (and the cache holds): every
+    gradient is formed before any of them is overwritten, as with NumPy's ``out=``."""
+    rng = np.random.default_rng(6)
+    q, k, v, do = _problem(rng, np.float64)
+    _, cache = ag.sdpa_forward(q.copy(), k.copy(), v.copy(), impl=impl, causal=True)
+    want = ag.sdpa_backward(do, cache)
+    _, cache = ag.sdpa_forward(q, k, v, impl=impl, causal=True)  # the cache holds q, k, v by reference
+    got = ag.sdpa_backward(do, cache, out={"q": q, "k": k, "v": v})
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        assert got[name] is a
+        np.testing.assert_array_equal(a, want[name], err_msg=name)
+    d = do.copy()
+    _, cache = ag.sdpa_forward(*_problem(np.random.default_rng(6), np.float64)[:3], impl=impl, causal=True)
+    got = ag.sdpa_backward(d, cache, out={"v": d[:, :, :, :6]})  # dOut itself (Lq = Lk, Dv = 6)
+    np.testing.assert_array_equal(got["v"], want["v"])
+
+
+def test_out_arrays_sharing_memory_are_refused():
+    rng = np.random.default_rng(7)
+    q, k, v, do = _problem(rng, np.float32)
+    _, cache = ag.sdpa_forward(q, k, v)
+    same = np.empty_like(q)
+    with pytest.raises(ValueError, match=r"out\['q'\] and out\['k'\] share memory"):
+        ag.sdpa_backward(do, cache, out={"q": same, "k": same})
+    _, views = _merged_views(q, k, v)  # side by side in one buffer: no element shared
+    ag.sdpa_backward(do, cache, out=views)

@@ -127,8 +127,10 @@ def sdpa_backward(dout, cache, *, out=None) -> dict:
     arrays of those gradients' shapes and the forward's dtype, any strides (a view of a
     larger buffer, e.g. merged heads (B, L, H, D) seen as (B, H, L, D)).  Each of those
     gradients is written there and returned as that array.  On the dense path dQ, dK and
-    dV are formed in place there (no copy; dQ under grouped heads excepted); elsewhere they
-    are copied in.
+    dV are formed in place there (no copy; dQ under grouped heads excepted, and an array
+    that may overlap dOut or what the cache holds); elsewhere they are copied in after every
+    gradient is formed, so an ``out`` that overlaps the inputs still gets the right values
+    (as NumPy's ``out=``).  Two ``out`` arrays must not share memory (ValueError).
     """
     if not isinstance(cache, SDPACache | TiledCache):
         raise TypeError(
@@ -145,7 +147,10 @@ def sdpa_backward(dout, cache, *, out=None) -> dict:
         grads = tiled_backward(dout, cache)
     else:
         xp = namespace(dout, cache.p)
-        direct = out if out and xp is np and prob.cdt == prob.dtype else None  # formed in place there
+        direct = None  # the out arrays the products are formed in: not where they may overlap
+        if out and xp is np and prob.cdt == prob.dtype:  # what the backward still reads
+            read = [a for a in (dout, *cache[:-1]) if isinstance(a, np.ndarray)]
+            direct = {n: a for n, a in out.items() if not any(np.may_share_memory(a, r) for r in read)}
         grads = dense_backward(xp, xp.astype(dout, prob.cdt, copy=False), cache, out=direct)
     grads = {name: xp.astype(g, prob.dtype, copy=False) for name, g in grads.items()}
     for name, a in (out or {}).items():
@@ -180,6 +185,11 @@ def check_out(out, prob, numpy_forward: bool) -> dict | None:
             raise TypeError(f"{label} must have the forward's dtype {dtype_name(prob.dtype)}; got {a.dtype}")
         if not a.flags.writeable:
             raise ValueError(f"{label} must be writeable")
+    names = list(out)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            if np.shares_memory(out[a], out[b]):
+                raise ValueError(f"out[{a!r}] and out[{b!r}] share memory; each gradient needs its own")
     return dict(out) or None
 
 
