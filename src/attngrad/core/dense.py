@@ -193,7 +193,7 @@ def dense_backward(xp, do, cache: SDPACache, out: dict | None = None) -> dict:
     out = out or {}
     do = xp.reshape(do, (B, Hkv, G * Lq, Dv))  # (B, Hkv, G*Lq, Dv)
     z = _keep(xp, prob, p) if prob.dropout else None  # (V3) regenerated once, never stored
-    dv = _product(xp, xp.matrix_transpose(_dropped(xp, p, prob, z)), do, out.get("v"))  # (A4) (B, Hkv, Lk, Dv), summed over the group
+    dv = _product(xp.matrix_transpose(_dropped(xp, p, prob, z)), do, out.get("v"))  # (A4) (B, Hkv, Lk, Dv), summed over the group
     dp = _dropped(xp, _dp_product(xp, do, v, prob), prob, z)  # (A5, V3) dP = (dO V^T) Z / (1 - p)
     # (A6) delta = rowsum(P * dP): with P at hand, the form whose rounding matches dP's, so
     # dP - delta cancels as exactly as the maths (float32 rule, RELIABILITY 24); the tiled
@@ -224,10 +224,10 @@ def dense_backward(xp, do, cache: SDPACache, out: dict | None = None) -> dict:
         per = -xp.astype(xp.reshape(cache.psink * delta, (B, H, Lq)), xp.float64)  # (B, H, Lq)
         grads["sinks"] = xp.sum(xp.sum(per, axis=2), axis=0)  # (H,)
     ds = softcap_backward(xp, ds, cache.t)  # (V1) dS0
-    dq_raw = _product(xp, ds, k, out.get("q") if G == 1 else None)  # (B, Hkv, G*Lq, D)  dS0 K
+    dq_raw = _product(ds, k, out.get("q") if G == 1 else None)  # (B, Hkv, G*Lq, D)  dS0 K
     if prob.scale_grad:  # (V7) dL/dscale = sum(Q * dS0 K)
         grads["scale"] = xp.sum(xp.astype(qg * dq_raw, xp.float64))
-    dk = _product(xp, xp.matrix_transpose(ds), qg, out.get("k"))  # (B, Hkv, Lk, D)
+    dk = _product(xp.matrix_transpose(ds), qg, out.get("k"))  # (B, Hkv, Lk, D)
     if xp is np:  # in place: the products' fresh buffers
         dq = np.multiply(dq_raw, prob.scale, out=dq_raw)  # (A8) (B, Hkv, G*Lq, D)
         dk = np.multiply(dk, prob.scale, out=dk)  # (A9)
@@ -236,7 +236,7 @@ def dense_backward(xp, do, cache: SDPACache, out: dict | None = None) -> dict:
     return {"q": xp.reshape(dq, (B, H, Lq, D)), "k": dk, "v": dv, **grads}
 
 
-def _product(xp, a, b, out=None):
+def _product(a, b, out=None):
     """a @ b, into ``out`` (a NumPy array of the result's shape, any strides) when given:
     BLAS writes a strided result as it is (bitwise the fresh product), so no copy."""
     return a @ b if out is None else np.matmul(a, b, out=out)

@@ -149,7 +149,8 @@ def sdpa_backward(dout, cache, *, out=None) -> dict:
         xp = namespace(dout, cache.p)
         direct = None  # the out arrays the products are formed in: not where they may overlap
         if out and xp is np and prob.cdt == prob.dtype:  # what the backward still reads
-            read = [a for a in (dout, *cache[:-1]) if isinstance(a, np.ndarray)]
+            read = [a for a in (dout, cache.q, cache.k, cache.v, cache.p, cache.t, cache.psink)
+                    if isinstance(a, np.ndarray)]
             direct = {n: a for n, a in out.items() if not any(np.may_share_memory(a, r) for r in read)}
         grads = dense_backward(xp, xp.astype(dout, prob.cdt, copy=False), cache, out=direct)
     grads = {name: xp.astype(g, prob.dtype, copy=False) for name, g in grads.items()}

@@ -275,10 +275,11 @@ def mha_backward(dy, cache: MHACache) -> tuple[dict, dict]:
     if "b_o" in p:
         grads["b_o"] = bias_grad(xp, dy2)  # (M5) db_o = sum dY
     dc = xp.reshape(dy2 @ xp.matrix_transpose(p["W_o"]), (B, Lq, -1))  # (M5) dC = dY W_o^T  (B, Lq, H*Dv)
+    arrays = {"query": cache.query, "key": cache.key, "value": cache.value}
     roles_of = {}  # source -> the projections it fed, in q, k, v order
     for role, src in zip("qkv", cache.sources, strict=True):
         roles_of.setdefault(src, []).append(role)
-    merged = _merged_heads(xp, cache, roles_of)  # {source: (B, L, widths) buffer} and its head views
+    merged = _merged_heads(xp, cache, arrays, roles_of)  # {source: (B, L, widths) buffer} and its head views
     out = {r: view for _, views in merged.values() for r, view in views.items()}
     g = sdpa_backward(split_heads(xp, dc, cache.heads), cache.attn, out=out)  # (M6) A4-A9, V1-V7
     for name in VARIANT_PARAMS:  # learned sinks and slopes (V2, V4)
@@ -288,7 +289,6 @@ def mha_backward(dy, cache: MHACache) -> tuple[dict, dict]:
         g["q"], g["k"], g_norm = qk_prep_backward(g["q"], g["k"], cache.qk)  # (QN8)
         grads.update(g_norm)  # (QN4) q_norm_w, k_norm_w
     inputs = {}
-    arrays = {"query": cache.query, "key": cache.key, "value": cache.value}
     for src, roles in roles_of.items():
         dx, g_proj = _projections_backward(xp, arrays[src], [g[r] for r in roles], [_PROJ[r] for r in roles],
                                            p, merged.get(src, (None,))[0])  # (M7) (M8) (M9)
@@ -304,18 +304,18 @@ def mha_backward(dy, cache: MHACache) -> tuple[dict, dict]:
 _PROJ = {"q": ("W_q", "b_q"), "k": ("W_k", "b_k"), "v": ("W_v", "b_v")}
 
 
-def _merged_heads(xp, cache: MHACache, roles_of: dict) -> dict:
+def _merged_heads(xp, cache: MHACache, arrays: dict, roles_of: dict) -> dict:
     """Where the attention core can write dQ, dK, dV straight into the merged-heads buffer
     that :func:`_projections_backward` reads (NumPy, an input that fed several projections,
     no QK-norm or RoPE between the core and the projections): ``{source: (buffer (B, L,
-    sum of widths), {role: its columns seen as (B, heads, L, d)})}``; else ``{}``.  The
+    sum of widths), {role: its columns seen as (B, heads, L, d)})}``; else ``{}``.
+    ``arrays``: the layer's inputs by source name.  The
     buffer is this call's temporary (:mod:`~attngrad.core.workspace`, its own key: it is
     alive while the core's dP is)."""
     if xp is not np or cache.qk is not None:
         return {}
-    shapes = {"q": (cache.heads, cache.attn.problem.shape.d), "k": (cache.kv_heads, cache.attn.problem.shape.d),
-              "v": (cache.kv_heads, cache.attn.problem.shape.dv)}
-    arrays = {"query": cache.query, "key": cache.key, "value": cache.value}
+    sh = cache.attn.problem.shape
+    shapes = {"q": (sh.heads, sh.d), "k": (sh.kv_heads, sh.d), "v": (sh.kv_heads, sh.dv)}
     merged = {}
     for src, roles in roles_of.items():
         if len(roles) < 2:
