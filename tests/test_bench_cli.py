@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from attngrad.bench import Case, measure
+from attngrad.bench import Case, measure, paired_ratios
 from attngrad.cli.main import main
 
 pytest.importorskip("torch")
@@ -29,7 +29,39 @@ def test_bench_json_has_every_contender(capsys):
     for r in rows:
         assert r["median_s"] > 0 and r["gflops"] > 0 and r["runs"] == 1
         assert r["vs_reference"] > 0
+        if r["contender"] in ("torch_sdpa", "torch_mha"):  # the reference: no ratio to itself
+            assert "round_ratio_median" not in r
+        else:
+            assert r["round_ratio_q1"] <= r["round_ratio_median"] <= r["round_ratio_q3"]
+            assert 0 <= r["rounds_faster"] <= 1
     assert doc["config"]["sizes"] == [32] and doc["config"]["layer_shape"] == [2, 16, 8, 2]
+
+
+def test_table_shows_the_per_round_ratios(capsys):
+    argv = ["bench", "--sizes", "16", "--causal", "no", "--rounds", "3", "--threads", "1", "--no-memory",
+            "--settle", "0", "--no-layer", "--contenders", "torch_sdpa,attngrad_tiled"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "per round: median (quartiles)" in out and "faster rounds" in out
+    row = next(line for line in out.splitlines() if "| attngrad_tiled |" in line)
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert len(cells) == 10 and cells[8].endswith(")") and cells[9].endswith("%")
+
+
+def test_paired_ratios_cancel_a_drift_that_the_ratio_of_medians_keeps():
+    """The machine runs 3x slower in rounds 3 and 4, and one spike hits the contender in round
+    5; it is 10 % faster in every other round.  The medians (2.7 vs 1.0) say 2.7x."""
+    ref = [1.0, 1.0, 3.0, 3.0, 1.0]
+    ours = [0.9, 0.9, 2.7, 2.7, 3.3]
+    p = paired_ratios(ours, ref)
+    assert p["round_ratio_median"] == pytest.approx(0.9) and p["rounds_faster"] == pytest.approx(0.8)
+    assert p["round_ratio_q1"] == pytest.approx(0.9) and p["round_ratio_q3"] == pytest.approx(0.9)
+    assert paired_ratios(ref, ref) == {"round_ratio_median": 1.0, "round_ratio_q1": 1.0,
+                                       "round_ratio_q3": 1.0, "rounds_faster": 0.0}
+    with pytest.raises(ValueError, match="equally long"):
+        paired_ratios([1.0], [1.0, 2.0])
+    with pytest.raises(ValueError, match="non-empty"):
+        paired_ratios([], [])
 
 
 def test_memory_is_measured_in_a_fresh_process():

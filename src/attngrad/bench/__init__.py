@@ -3,7 +3,7 @@
 from .contenders import ATTENTION, LAYER, Case
 from .memory import measure, measure_here
 from .runner import BenchConfig, BenchResult, format_bench, run_bench
-from .timing import summarize, time_round_robin
+from .timing import paired_ratios, summarize, time_round_robin
 
 __all__ = [
     "ATTENTION",
@@ -14,6 +14,7 @@ __all__ = [
     "format_bench",
     "measure",
     "measure_here",
+    "paired_ratios",
     "run_bench",
     "summarize",
     "time_round_robin",

@@ -14,7 +14,7 @@ from ..core.tiled import AUTO_TILED_MIN_ENTRIES  # impl="auto" keeps P below thi
 from ..resources import format_seconds, require_memory, require_time
 from .contenders import ATTENTION, REFERENCE, Case, contender, library
 from .memory import measure
-from .timing import summarize, time_round_robin
+from .timing import paired_ratios, summarize, time_round_robin
 
 MAX_SETTLE = 10.0  # seconds of idle before a timed call; more is a mistake, not a setting
 
@@ -127,6 +127,8 @@ def _run_cases(result: BenchResult, cases: list, names: tuple, cfg: BenchConfig,
                 row["gflops"] = case.flops() / row["median_s"] / 1e9
             if ref in times:
                 row["vs_reference"] = row["median_s"] / float(np.median(times[ref]))
+                if name != ref:
+                    row.update(paired_ratios(times[name], times[ref]))
             if cfg.memory and (case.n <= cfg.memory_max_dense_n or not _keeps_nxn(name)):
                 row.update(measure(case, name))
             result.rows.append(row)
@@ -241,8 +243,9 @@ def format_bench(result: BenchResult) -> str:
         f"median of {cfg.rounds} round-robin rounds; numpy {env['numpy']}, torch {env.get('torch')}; "
         f"load average {env.get('loadavg_start', float('nan')):.2f} -> {env.get('loadavg_end', float('nan')):.2f}",
         "",
-        "| shape | causal | contender | median ms | spread | GFLOP/s | peak extra MB | time vs ref |",
-        "|---|---|---|---:|---:|---:|---:|---:|",
+        "| shape | causal | contender | median ms | spread | GFLOP/s | peak extra MB | time vs ref "
+        "| per round: median (quartiles) | faster rounds |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result.rows:
         shape = (f"B={r['batch']} H={r['heads']} N={r['n']} D={r['dim']}" if r["kind"] == "attention"
@@ -254,11 +257,16 @@ def format_bench(result: BenchResult) -> str:
             (f"{r['median_s'] * 1e3:.1f}", f"{r['spread']:.0%}", f"{r['gflops']:.1f}")
             if "median_s" in r else ("-", "-", "-")
         )
+        rounds = (f"{r['round_ratio_median']:.2f}x ({r['round_ratio_q1']:.2f}-{r['round_ratio_q3']:.2f})",
+                  f"{r['rounds_faster']:.0%}") if "round_ratio_median" in r else ("-", "-")
         lines.append(
             f"| {shape} | {'yes' if r['causal'] else 'no'} | {r['contender']} | {ms} | {spread} | "
-            f"{gf} | {mem_s} | {f'{ratio:.2f}x' if ratio else '-'} |"
+            f"{gf} | {mem_s} | {f'{ratio:.2f}x' if ratio else '-'} | {rounds[0]} | {rounds[1]} |"
         )
     lines.append("")
     lines.append("ref = torch_sdpa (attention), torch_mha (layer); spread = (max - min) / median; "
-                 "GFLOP/s = 12 N^2 D per head (halved for causal) / median time")
+                 "GFLOP/s = 12 N^2 D per head (halved for causal) / median time; time vs ref = the "
+                 "ratio of the medians; per round = the contender's time over ref's in the same "
+                 "round, so that the machine's drift between rounds cancels; faster rounds = the "
+                 "share of rounds in which the contender beat ref")
     return "\n".join(lines)

@@ -69,3 +69,16 @@ def summarize(seconds: list[float]) -> dict:
         "spread": float((a.max() - a.min()) / med) if med > 0 else 0.0,
         "runs": len(seconds),
     }
+
+
+def paired_ratios(seconds: list[float], reference: list[float]) -> dict:
+    """The contender's time over the reference's, round by round (each pair timed seconds
+    apart, so a slow drift of the machine's speed cancels): median and quartiles of those
+    ratios, and the fraction of rounds in which the contender was faster."""
+    a, r = np.asarray(seconds, dtype=float), np.asarray(reference, dtype=float)
+    if a.shape != r.shape or a.size == 0:
+        raise ValueError(f"seconds and reference must be equally long and non-empty; got {a.size} and {r.size}")
+    ratios = a / r
+    q1, med, q3 = np.percentile(ratios, [25, 50, 75])
+    return {"round_ratio_median": float(med), "round_ratio_q1": float(q1), "round_ratio_q3": float(q3),
+            "rounds_faster": float(np.mean(ratios < 1.0))}

@@ -43,7 +43,9 @@ def register(sub) -> None:
             "scaled_dot_product_attention (default CPU backend), torch naive autograd, "
             "attngrad dense and attngrad tiled; report median time, GFLOP/s (12 N^2 D per "
             "head, halved for causal), peak extra memory (each contender in a fresh process) "
-            "and the ratio to SDPA. Also the multi-head layer against torch.nn.MultiheadAttention."
+            "and the ratio to SDPA: of the medians, and round by round (median and quartiles "
+            "of each round's time over SDPA's in that round, and the share of rounds won). "
+            "Also the multi-head layer against torch.nn.MultiheadAttention."
         ),
     )
     p.add_argument("--sizes", type=positive_ints, default=None, metavar="N[,N...]", help="sequence lengths (default 1024,4096; --quick: 256,1024)")
