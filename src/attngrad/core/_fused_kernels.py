@@ -2,9 +2,11 @@
 
 No "reassoc" fast-math flag (it would undo the exponential's range reduction) and no
 "nnan"/"ninf" (-inf marks masked logits): contraction to FMA and the rest are safe.
-Row maxima and the float64 sums run over 8 partials in a fixed order; the softmax's row
-sum is reassociated (vectorised) only in :func:`exp_shift_sum`, in an order fixed by the
-row length.  Neither depends on alignment or thread count.
+Contiguous float32 rows run 16 lanes at a time (:mod:`._vec16`: every value bitwise the
+scalar code's), the rest of a row in the scalar code.  Row maxima and the float64 sums run
+over 8 partials in a fixed order; the softmax's float32 row sum over sixteen lane partials
+added in a fixed tree, then the row's tail in order.  None depends on alignment, thread
+count or the machine's vector width.
 """
 
 from __future__ import annotations
@@ -17,10 +19,28 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic, overload
 
+from ._vec16 import (
+    EXP_C1,
+    EXP_C2,
+    EXP_HI,
+    EXP_LO,
+    EXP_LOG2E,
+    EXP_POLY,
+    EXP_ROUNDER,
+    dsoftmax16,
+    exp_minus16,
+    exp_shift16,
+    lane,
+    max16,
+    splat16,
+)
+
 _FM = {"contract", "nsz", "arcp"}
-_LO32, _HI32 = np.float32(-87.3365448), np.float32(88.3762589)
-_ROUNDER = np.float32(12582912.0)  # 1.5 * 2^23: y + it, rounded to float32, holds round(y) in its low bits
+_LO32, _HI32 = np.float32(EXP_LO), np.float32(EXP_HI)
+_ROUNDER = np.float32(EXP_ROUNDER)  # 1.5 * 2^23: y + it, rounded to float32, holds round(y) in its low bits
 _ROUNDER_BITS = int(_ROUNDER.view(np.int32))
+_LOG2E, _C1, _C2 = np.float32(EXP_LOG2E), np.float32(EXP_C1), np.float32(EXP_C2)
+_P0, _P1, _P2, _P3, _P4, _P5 = (np.float32(c) for c in EXP_POLY)
 _jit = numba.njit(fastmath=_FM, nogil=True, cache=True)
 
 
@@ -47,17 +67,17 @@ def exp32(x):
     -inf) -> 0; x > 88.37 (and inf) -> inf (float32 overflows at 88.72; the kernels'
     exponents are <= 0 up to rounding); NaN stays NaN.  No clamps: out-of-range lanes
     compute garbage that the two final selects replace."""
-    k = x * np.float32(1.44269504) + _ROUNDER  # 1.5 * 2^23 + n, n = round(x / ln2): one FMA rounding
+    k = x * _LOG2E + _ROUNDER  # 1.5 * 2^23 + n, n = round(x / ln2): one FMA rounding
     nf = k - _ROUNDER  # n, exact
-    r = x - nf * np.float32(0.693359375)  # Cody-Waite: ln2 = C1 + C2, C1 exact in 9 bits
-    r = r - nf * np.float32(-2.12194440e-4)
+    r = x - nf * _C1  # Cody-Waite: ln2 = C1 + C2, C1 exact in 9 bits
+    r = r - nf * _C2
     z = r * r
-    p = np.float32(1.9875691500e-4)
-    p = p * r + np.float32(1.3981999507e-3)
-    p = p * r + np.float32(8.3334519073e-3)
-    p = p * r + np.float32(4.1665795894e-2)
-    p = p * r + np.float32(1.6666665459e-1)
-    p = p * r + np.float32(5.0000001201e-1)
+    p = _P0
+    p = p * r + _P1
+    p = p * r + _P2
+    p = p * r + _P3
+    p = p * r + _P4
+    p = p * r + _P5
     p = p * z + r + np.float32(1.0)  # e^r
     y = p * _pow2_of_rounded(k)  # e^r 2^n
     y = np.float32(0.0) if x < _LO32 else y  # underflow, and -inf (masked); NaN falls through
@@ -86,13 +106,41 @@ def _narrow(x, v):
     return lambda x, v: np.float64(v)
 
 
+def _lanes16(row):
+    """The vector path (:mod:`._vec16`) takes ``row``: 1-D float32, contiguous."""
+    return isinstance(row, types.Array) and row.dtype == types.float32 and row.ndim == 1 and row.layout == "C"
+
+
+def _max_head(row, start):
+    """(n16, max(start, row[:n16])): the row's first 16-multiple of values, 16 lanes at a
+    time where :func:`_lanes16` takes the row, else (0, start)."""
+
+
+@overload(_max_head, fastmath=_FM)
+def _max_head_impl(row, start):
+    if _lanes16(row):
+        def impl(row, start):
+            n16 = row.shape[0] - row.shape[0] % 16
+            if n16 == 0:
+                return 0, start
+            a = splat16(start)
+            for j in range(0, n16, 16):
+                a = max16(row, j, a)
+            m = max(max(max(max(lane(a, 0), lane(a, 8)), max(lane(a, 4), lane(a, 12))), max(max(lane(a, 2), lane(a, 10)), max(lane(a, 6), lane(a, 14)))),
+                    max(max(max(lane(a, 1), lane(a, 9)), max(lane(a, 5), lane(a, 13))), max(max(lane(a, 3), lane(a, 11)), max(lane(a, 7), lane(a, 15)))))
+            return n16, m
+        return impl
+    return lambda row, start: (0, start)
+
+
 @_jit
 def _rowmax(row, start):
-    """max(start, max(row)) over 8 partials."""
+    """max(start, max(row)): 16 lanes where :func:`_lanes16` takes the row, then 8 partials."""
+    j0, m0 = _max_head(row, start)
     n = row.shape[0]
-    n8 = n - n % 8
-    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = start
-    for j in range(0, n8, 8):
+    n8 = j0 + (n - j0) - (n - j0) % 8
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = m0
+    for j in range(j0, n8, 8):
         a0 = max(a0, row[j])
         a1 = max(a1, row[j + 1])
         a2 = max(a2, row[j + 2])
@@ -107,17 +155,34 @@ def _rowmax(row, start):
     return m
 
 
-# Only for a sum: "reassoc" lets LLVM vectorise the running sum (its order then depends on
-# the row length and the machine's vector width alone, never on threads or data).  The
-# exponential called inside keeps its own flags (no reassociation of its range reduction).
-_jit_sum = numba.njit(fastmath=_FM | {"reassoc"}, nogil=True, cache=True)
+def _exp_shift_head(row, sh, zero):
+    """(n16, sum): row[:n16] <- e^(row - sh) 16 lanes at a time and the sum of the new values
+    (sixteen lane partials, then a fixed tree) where :func:`_lanes16` takes the row, else (0, zero)."""
 
 
-@_jit_sum
+@overload(_exp_shift_head, fastmath=_FM)
+def _exp_shift_head_impl(row, sh, zero):
+    if _lanes16(row):
+        def impl(row, sh, zero):
+            n16 = row.shape[0] - row.shape[0] % 16
+            if n16 == 0:
+                return 0, zero
+            a = splat16(zero)
+            for j in range(0, n16, 16):
+                a = exp_shift16(row, j, sh, a)
+            b0, b1, b2, b3 = (lane(a, 0) + lane(a, 8)) + (lane(a, 4) + lane(a, 12)), (lane(a, 1) + lane(a, 9)) + (lane(a, 5) + lane(a, 13)), \
+                (lane(a, 2) + lane(a, 10)) + (lane(a, 6) + lane(a, 14)), (lane(a, 3) + lane(a, 11)) + (lane(a, 7) + lane(a, 15))
+            return n16, (b0 + b2) + (b1 + b3)
+        return impl
+    return lambda row, sh, zero: (0, zero)
+
+
+@_jit
 def exp_shift_sum(row, sh, zero):
-    """row <- e^(row - sh) in place; returns the sum of the new row (one pass)."""
-    t = zero
-    for j in range(row.shape[0]):
+    """row <- e^(row - sh) in place; returns the sum of the new row (one pass): 16 lanes and
+    a fixed tree where :func:`_lanes16` takes the row, then the rest in order."""
+    j0, t = _exp_shift_head(row, sh, zero)
+    for j in range(j0, row.shape[0]):
         e = exp_(row[j] - sh)
         row[j] = e
         t += e
@@ -137,19 +202,51 @@ def online_row(row, m_i, l_i):
     return mx, l_i * alpha + rs, alpha
 
 
+def _exp_row_head(row, c):
+    """n16: row[:n16] <- e^(row - c) 16 lanes at a time where :func:`_lanes16` takes the row, else 0."""
+
+
+@overload(_exp_row_head, fastmath=_FM)
+def _exp_row_head_impl(row, c):
+    if _lanes16(row) and c == types.float64:
+        def impl(row, c):
+            n16 = row.shape[0] - row.shape[0] % 16
+            for j in range(0, n16, 16):
+                exp_minus16(row, j, c)
+            return n16
+        return impl
+    return lambda row, c: 0
+
+
 @_jit
 def exp_row(row, c):
     """(FA2) row <- e^(row - c), the difference rounded to the row's dtype first; c float64
     (the lse; +inf gives 0)."""
-    for j in range(row.shape[0]):
+    for j in range(_exp_row_head(row, c), row.shape[0]):
         row[j] = exp_(narrow(row[j], row[j] - c))
+
+
+def _dsoftmax_head(row, prow, c):
+    """n16: row[:n16] <- prow (row - c) 16 lanes at a time where :func:`_lanes16` takes both rows, else 0."""
+
+
+@overload(_dsoftmax_head, fastmath=_FM)
+def _dsoftmax_head_impl(row, prow, c):
+    if _lanes16(row) and _lanes16(prow) and c == types.float64:
+        def impl(row, prow, c):
+            n16 = row.shape[0] - row.shape[0] % 16
+            for j in range(0, n16, 16):
+                dsoftmax16(row, prow, j, c)
+            return n16
+        return impl
+    return lambda row, prow, c: 0
 
 
 @_jit
 def dsoftmax_row(row, prow, c):
     """(A7) row <- prow * (row - c), the difference rounded to the row's dtype first; c the
     row's delta (float64)."""
-    for j in range(row.shape[0]):
+    for j in range(_dsoftmax_head(row, prow, c), row.shape[0]):
         row[j] = narrow(row[j], row[j] - c) * prow[j]
 
 

@@ -1,8 +1,9 @@
 """Compiled tile loops of the tiled path (numba; imported only through :mod:`.fused`).
 
 One call runs the whole forward (FA1, FA3) or backward (FA2, A4-A9, V1, V4) of one query
-head: every tile's matrix products go straight to NumPy's own BLAS (:mod:`._blas`, called
-from machine code through :func:`gemm`), the elementwise work between them runs while the
+head: every tile's matrix products go straight to BLAS (MKL with the ``mkl`` extra, else
+NumPy's own: :mod:`._blas`, called from machine code through :func:`gemm`), the elementwise
+work between them (16 float32 lanes at a time, :mod:`._vec16`) runs while the
 tile sits in cache, and no Python runs between tiles, so the GIL is released for the whole
 head and the Python workers of :mod:`.parallel` scale across the cores.
 

@@ -29,11 +29,11 @@ Accuracy: under 1 ulp on [-87, 88] (NumPy's float32 exp: 2.4 ulp), so the float3
 the kernels' exponents are <= 0 up to rounding); -inf gives 0 and NaN stays NaN.  float64 work uses
 ``math.exp`` (libm, within 1 ulp).
 
-Row maxima and float64 sums run over 8 independent partials in a fixed order.  Only the
-softmax's row sum (``exp_shift_sum``) is compiled with fast-math reassociation, so that
-LLVM vectorises it; its order is fixed by the row length, and the exponential inlined into
-it keeps its own flags (reassociation would break the range reduction).  No result
-depends on alignment or thread count.
+Row maxima and float64 sums run over 8 independent partials in a fixed order; contiguous
+float32 rows run 16 lanes at a time (``_vec16``: LLVM IR vectors, which LLVM's loop
+vectoriser would keep to 8 lanes on AVX-512 machines), the softmax's row sum over sixteen
+lane partials in a fixed tree.  No result depends on alignment, thread count or the
+machine's vector width.
 
 Selection: :func:`enabled` says whether the kernels are used: numba importable and the
 environment variable ``ATTNGRAD_NO_NUMBA`` unset, empty or "0".  The first call compiles
@@ -115,8 +115,9 @@ _LOOPS = None  # (fwd_head, bwd_head, blas) of :mod:`._tiled_kernels`, False whe
 
 def tile_loops():
     """The compiled per-head tile loops of the tiled path, ``(fwd_head, bwd_head, blas)``
-    with ``blas`` = (sgemm address, dgemm address, ilp64), or None when numba is missing,
-    ``ATTNGRAD_NO_NUMBA`` is set or NumPy's CBLAS is not found (:mod:`._blas`)."""
+    with ``blas`` = (sgemm address, dgemm address, ilp64) of the BLAS that :mod:`._blas`
+    picks (MKL where its wheel is installed, else NumPy's own; ``ATTNGRAD_BLAS``), or None
+    when numba is missing, ``ATTNGRAD_NO_NUMBA`` is set or no CBLAS is found."""
     global _LOOPS
     if not enabled():
         return None

@@ -52,6 +52,12 @@ from .problem import Problem, problem_views
 DEFAULT_BLOCK_Q = 256
 DEFAULT_BLOCK_Q_SKIPPING = 128
 DEFAULT_BLOCK_K = 512
+# The compiled forward's key tile when none is given (an Intel Xeon VM with AVX-512 and
+# 2 MB of L2 per core, MKL products, `python benchmarks/tiles.py`-style sweeps of the
+# forward alone; docs/performance.md, ninth round): 1024 keys per tile took 0.83-0.90x the
+# time of 512 (N=1024: 10.5 vs 12.7 ms; N=4096: 140 vs 156; causal 92 vs 102): half the
+# online-softmax rescales and calls; the backward keeps DEFAULT_BLOCK_K (its best there).
+DEFAULT_BLOCK_K_FORWARD = 1024
 # impl="auto" picks the tiled path for NumPy inputs when B*H*Lq*Lk reaches this many entries:
 # P would take 64 MB in float32.  Below it the dense path is as fast or faster (measured with
 # `attngrad bench`: dense 1.6x, tiled 2.0x SDPA's time at B=1 H=8 N=1024, non-causal); above
@@ -378,11 +384,16 @@ def _head_args(prob: Problem, hd: Head):
 
 def tiled_forward(q, k, v, prob: Problem, tiling: Tiling):
     """Tiled forward on validated NumPy inputs (compute dtype).  Returns ``(out, cache)``."""
+    given_bk = tiling.block_k
     tiling = resolve_tiles(tiling, prob)
     sh = prob.shape
     B, H, _, Lq, Lk, _, Dv = sh
     G = sh.group
-    bq, bk = min(tiling.block_q, max(Lq, 1)), min(tiling.block_k, max(Lk, 1))
+    loops = compiled_loops(prob, tiling)
+    # the compiled forward's own default key tile (DEFAULT_BLOCK_K_FORWARD); the cache keeps
+    # ``tiling`` (the backward's tiles)
+    bk_fwd = given_bk or (DEFAULT_BLOCK_K_FORWARD if loops is not None else tiling.block_k)
+    bq, bk = min(tiling.block_q, max(Lq, 1)), min(bk_fwd, max(Lk, 1))
     cdt = q.dtype
     # O accumulates in float64 for float32 work (O(N) memory): delta = rowsum(dO * O) (A6)
     # then cancels against dP as closely as the dense path's rowsum(P * dP) (RELIABILITY 24).
@@ -395,7 +406,6 @@ def tiled_forward(q, k, v, prob: Problem, tiling: Tiling):
     scratch = {}
     masks = TileMasks(prob.spec)
     kern = fused.kernels() if tiling.fused else None
-    loops = compiled_loops(prob, tiling)
 
     # the compiled loops: units (b, h, rows [r0, r1)), rows on query-tile boundaries, so a
     # split changes no tile and no bit of the result (rows are independent in the forward)
