@@ -397,9 +397,13 @@ def tiled_forward(q, k, v, prob: Problem, tiling: Tiling):
     cdt = q.dtype
     # O accumulates in float64 for float32 work (O(N) memory): delta = rowsum(dO * O) (A6)
     # then cancels against dP as closely as the dense path's rowsum(P * dP) (RELIABILITY 24).
-    out = np.zeros((B, H, Lq, Dv), dtype=np.float64 if cdt == np.float32 else cdt)  # (B, H, Lq, Dv)
-    lse = np.full((B, H, Lq), -np.inf, dtype=out.dtype)  # (B, H, Lq)   (FA1) float64 too: P = e^(S - lse)
-    # in the backward then has float32's relative accuracy, not |lse| ulps of it
+    # (The compiled loops write every row of out, lse and their result res, in parallel.)
+    odt = np.float64 if cdt == np.float32 else cdt
+    out = np.empty((B, H, Lq, Dv), odt) if loops is not None else np.zeros((B, H, Lq, Dv), odt)  # (B, H, Lq, Dv)
+    lse = np.empty((B, H, Lq), odt) if loops is not None else np.full((B, H, Lq), -np.inf, odt)  # (B, H, Lq)
+    # (FA1) lse float64 too: P = e^(S - lse) in the backward then has float32's relative
+    # accuracy, not |lse| ulps of it
+    res = np.empty((B, H, Lq, Dv), cdt) if loops is not None else None  # the result, O rounded
     count = prob.shift_free and not (prob.spec.is_empty and Lk >= 2)
     nkeys = np.zeros((B, H, Lq), dtype=np.int64) if count else None  # allowed keys per row
     keep_scale = cdt.type(1.0 / (1.0 - prob.dropout_p))
@@ -419,7 +423,8 @@ def tiled_forward(q, k, v, prob: Problem, tiling: Tiling):
         lo, hi = _interval(loops, b)
         softcap, alibi, slope, offset = _head_args(prob, hd)
         loops.fwd(loops.blas, np.ascontiguousarray(q[b, h, r0:r1]), np.ascontiguousarray(k[b, h // G]),
-                  np.ascontiguousarray(v[b, h // G]), out[b, h, r0:r1], lse[b, h, r0:r1], prob.scale,
+                  np.ascontiguousarray(v[b, h // G]), out[b, h, r0:r1], lse[b, h, r0:r1], res[b, h, r0:r1],
+                  prob.scale,
                   bq, bk, lo[r0:r1], hi[r0:r1], softcap, alibi, slope, offset + r0,  # row i of the span is r0 + i
                   hd.sink is not None, 0.0 if hd.sink is None else float(hd.sink), s_buf, pv_buf, m, l, rescale)
 
@@ -478,6 +483,8 @@ def tiled_forward(q, k, v, prob: Problem, tiling: Tiling):
         flat = (nkeys < 2) if nkeys is not None else np.ones((B, H, Lq), dtype=bool)
         flat = flat if flat.any() else None
     cache = TiledCache(q, k, v, out, lse, flat, prob, tiling)
+    if res is not None:  # the compiled loops' own copy of O
+        return res.astype(prob.dtype, copy=False), cache
     return out.astype(prob.dtype, copy=True), cache  # a copy: the caller may write into it
 
 
@@ -581,9 +588,12 @@ def tiled_backward(dout, cache: TiledCache) -> dict:
     cdt = q.dtype
     do_all = dout.astype(cdt, copy=False)  # (B, H, Lq, Dv)
     bq, bk = min(cache.tiling.block_q, max(Lq, 1)), min(cache.tiling.block_k, max(Lk, 1))
-    dq = np.zeros((B, H, Lq, D), dtype=cdt)
-    dk = np.zeros((B, Hkv, Lk, D), dtype=cdt)
-    dv = np.zeros((B, Hkv, Lk, Dv), dtype=cdt)
+    loops = compiled_loops(prob, cache.tiling)
+    # (the compiled loops' units zero their own rows of dQ, dK, dV, in parallel)
+    new = np.empty if loops is not None else np.zeros
+    dq = new((B, H, Lq, D), dtype=cdt)
+    dk = new((B, Hkv, Lk, D), dtype=cdt)
+    dv = new((B, Hkv, Lk, Dv), dtype=cdt)
     per_head = np.zeros((B, H, 3), dtype=np.float64)  # dslope, dscale per (b, h)
     slots, own_partials = _slots(prob)
     db_shape = None if prob.bias is None else prob.bias.shape
@@ -591,12 +601,9 @@ def tiled_backward(dout, cache: TiledCache) -> dict:
     scratch = {}
     masks = TileMasks(prob.spec)
     kern = fused.kernels() if cache.tiling.fused else None
-    loops = compiled_loops(prob, cache.tiling)
 
     spans, shares = [(0, Lk)], None
-    if loops is not None:  # (A6) every head's delta in one pass: (B, H, Lq)
-        delta_all = preprocess_delta(do_all, cache.out)
-        do_all = np.ascontiguousarray(do_all)
+    if loops is not None:
         # units (b, hk, keys [k0, k1)) on key-tile boundaries: dK, dV rows are disjoint; the
         # first span writes dQ, each other span its own share of it, added to dQ in span
         # order once the last span of the pair is done (so neither the split nor the thread
@@ -609,9 +616,11 @@ def tiled_backward(dout, cache: TiledCache) -> dict:
     parts_lock = threading.Lock()
 
     def dq_share(part: int, b: int, hk: int):
-        """Where span ``part`` of pair (b, hk) accumulates dQ: (G, Lq, D)."""
+        """Where span ``part`` of pair (b, hk) accumulates dQ: (G, Lq, D), zeros."""
         if part == 0:
-            return dq[b, hk * G:(hk + 1) * G]
+            target = dq[b, hk * G:(hk + 1) * G]
+            target.fill(0)  # (before any other span's share is added: that waits for this one)
+            return target
         with parts_lock:
             buf = spare.pop() if spare else None
         buf = np.empty((G, Lq, D), dtype=cdt) if buf is None else buf
@@ -638,19 +647,23 @@ def tiled_backward(dout, cache: TiledCache) -> dict:
         lo, hi = _interval(loops, b)
         k0, k1 = spans[part]
         flat = _NO_ROWS if cache.flat is None else np.ascontiguousarray(_index(cache.flat, b, h))  # (Lq,)
+        do = np.ascontiguousarray(do_all[b, h])  # (Lq, Dv)
+        delta = preprocess_delta(do, cache.out[b, h])  # (A6) (Lq,) float64 (each span of the head alike)
         shares[part, b, h] = loops.bwd(
-            loops.blas, np.ascontiguousarray(q[b, h]), kh, vh, do_all[b, h], cache.lse[b, h],
-            delta_all[b, h], dq_h, dk[b, hk, k0:k1], dv[b, hk, k0:k1], prob.scale,
+            loops.blas, np.ascontiguousarray(q[b, h]), kh, vh, do, cache.lse[b, h],
+            delta, dq_h, dk[b, hk, k0:k1], dv[b, hk, k0:k1], prob.scale,
             bq, bk, lo, hi, *_head_args(prob, hd), prob.shift_free, flat, k0, Lk,
             *scratch[worker])  # dq scaled (A8)
         if prob.sinks is not None and part == 0:
-            _sink_grad(per_head, b, h, hd.sink, cache.lse[b, h], delta_all[b, h])
+            _sink_grad(per_head, b, h, hd.sink, cache.lse[b, h], delta)
 
     def work_compiled(unit: int, worker: int) -> None:
         pair, part = divmod(unit, len(spans))
         b, hk = divmod(pair, Hkv)
         k0, k1 = spans[part]
         kh, vh = np.ascontiguousarray(k[b, hk, k0:k1]), np.ascontiguousarray(v[b, hk, k0:k1])
+        dk[b, hk, k0:k1].fill(0)  # this unit's rows of dK, dV (A4, A9 accumulate into them)
+        dv[b, hk, k0:k1].fill(0)
         target = dq_share(part, b, hk)  # (G, Lq, D)
         for g, h in enumerate(range(hk * G, (hk + 1) * G)):
             head_compiled(b, h, hk, kh, vh, part, target[g], worker)
