@@ -18,6 +18,7 @@ import pytest
 
 import attngrad as ag
 from attngrad.core import fused
+from attngrad.core.parallel import ENV_NO_PIN
 from attngrad.core.tiled import make_tiling
 from conftest import assert_close_rel
 
@@ -155,7 +156,8 @@ def test_dense_row_kernels_do_not_depend_on_the_row_split(rows, monkeypatch):
 def test_bitwise_identical_across_calls_and_thread_counts(variant, use_fused, monkeypatch):
     """Every reduction in a fixed order: the NumPy tile loop with and without the per-tile
     kernels (bias, dropout and every variant), and the compiled tile loops, also where
-    they split heads into row spans (forward) and key spans (backward) across workers."""
+    they split heads into row spans (forward) and key spans (backward) across workers,
+    with the workers held on CPUs of their own (core.parallel) or placed by the OS."""
     from attngrad.core.tiled import compiled_loops
 
     if variant in ("compiled all", "compiled split"):
@@ -170,7 +172,8 @@ def test_bitwise_identical_across_calls_and_thread_counts(variant, use_fused, mo
         opts.update(sinks=np.linspace(-1, 1, 4), alibi_slopes=np.linspace(0.05, 0.2, 4),
                     softcap=3.0, dropout_p=0.1, dropout_seed=4)
     first = None
-    for threads in (1, 2, 3, 2, 1, 3):
+    for threads, no_pin in ((1, "0"), (2, "0"), (3, "0"), (2, "1"), (1, "1"), (3, "1")):
+        monkeypatch.setenv(ENV_NO_PIN, no_pin)  # workers held on their own CPUs, or not
         got = _run(x, opts, np.float32, use_fused, monkeypatch, block_q=8, block_k=16, threads=threads)
         if first is None:
             first = got

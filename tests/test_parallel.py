@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -81,3 +82,71 @@ def test_a_growing_pool_leaves_the_old_one_usable():
     small = parallel._unit_pool(1)
     parallel._unit_pool(parallel._UNIT_POOL_SIZE + 3)  # a larger one replaces it
     assert small.submit(lambda: 7).result(timeout=10) == 7
+
+
+placement = pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2 or parallel._current_cpu() < 0,
+    reason="per-thread CPU placement needs Linux and at least 2 CPUs",
+)
+
+
+@placement
+def test_workers_run_on_separate_cpus_and_the_caller_gets_its_cpu_set_back(monkeypatch):
+    monkeypatch.delenv(parallel.ENV_NO_PIN, raising=False)
+    before = os.sched_getaffinity(0)
+    seen, lock = {}, threading.Lock()
+
+    def work(unit, worker):
+        with lock:
+            seen.setdefault(worker, set()).add(frozenset(os.sched_getaffinity(0)))
+
+    assert parallel.run_units(work, 20, 2) == 2
+    assert os.sched_getaffinity(0) == before
+    (caller,) = seen[0]  # one CPU for the whole call
+    assert len(caller) == 1 and caller <= before
+    for cpus in seen.get(1, ()):  # the pool's worker never shares the caller's CPU
+        assert cpus <= before - caller
+
+
+@placement
+def test_the_callers_cpu_set_comes_back_when_a_unit_raises(monkeypatch):
+    monkeypatch.delenv(parallel.ENV_NO_PIN, raising=False)
+    before = os.sched_getaffinity(0)
+
+    def work(unit, worker):
+        raise ValueError("boom")
+
+    with pytest.raises(ValueError, match="boom"):
+        parallel.run_units(work, 8, 2)
+    assert os.sched_getaffinity(0) == before
+
+
+@placement
+def test_no_placement_when_switched_off_or_with_more_workers_than_cpus(monkeypatch):
+    before = os.sched_getaffinity(0)
+    seen = set()
+
+    def work(unit, worker):
+        if worker == 0:
+            seen.add(frozenset(os.sched_getaffinity(0)))
+
+    monkeypatch.setenv(parallel.ENV_NO_PIN, "1")
+    parallel.run_units(work, 10, 2)
+    monkeypatch.delenv(parallel.ENV_NO_PIN)
+    parallel.run_units(work, 10 * len(before), len(before) + 1)  # more workers than CPUs
+    assert seen == {frozenset(before)}
+
+
+@placement
+def test_a_caller_held_to_one_cpu_still_runs_every_unit(monkeypatch):
+    monkeypatch.delenv(parallel.ENV_NO_PIN, raising=False)
+    before = os.sched_getaffinity(0)
+    one = {parallel._current_cpu()}
+    done = []
+    os.sched_setaffinity(0, one)
+    try:
+        parallel.run_units(lambda u, w: done.append(u), 12, 2)
+        assert os.sched_getaffinity(0) == one
+    finally:
+        os.sched_setaffinity(0, before)
+    assert sorted(done) == list(range(12))

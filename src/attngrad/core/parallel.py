@@ -73,10 +73,11 @@ def run_units(work: Callable[[int, int], None], n_units: int, threads: int) -> i
     is worker 0 and the others run on a persistent pool (:func:`_unit_pool`), so a call
     neither starts threads nor waits for one to start before work begins (issue 13: fresh
     threads started up to 10 ms late; the median start of the last worker went from 0.6
-    to 0.3 ms).  Otherwise one thread runs them all and BLAS may use ``threads`` threads
-    (large single GEMMs).  ``worker`` (0 <= worker < returned count) lets each worker own
-    its scratch buffers; a worker the pool never got to runs no unit, so which worker ran a
-    unit never changes a result.
+    to 0.3 ms).  For the length of the call the caller stays on the CPU it is on and the
+    pool's threads run on the others (:func:`_placement`).  Otherwise one thread runs them
+    all and BLAS may use ``threads`` threads (large single GEMMs).  ``worker`` (0 <= worker
+    < returned count) lets each worker own its scratch buffers; a worker the pool never
+    got to runs no unit, so which worker ran a unit never changes a result.
     """
     workers = min(threads, n_units) if _controller() is not None else 1
     if workers <= 1:
@@ -102,12 +103,18 @@ def run_units(work: Callable[[int, int], None], n_units: int, threads: int) -> i
 
     with blas_threads(1):
         pool = _unit_pool(workers - 1)
+        mask, here = _placement(workers, pool)
         futures = [pool.submit(loop, w) for w in range(1, workers)]
         error = None
         try:
+            if mask is not None:
+                _hold(0, {here})
             loop(0)
         except BaseException as exc:  # the others must stop writing before it propagates
             error = exc
+        finally:
+            if mask is not None:
+                _hold(0, mask)  # the caller's own CPU set again
         # a worker not yet started has nothing left to do (and waiting for it could
         # deadlock a nested call that holds every pool thread): cancel it
         started = [f for f in futures if not f.cancel()]
@@ -119,20 +126,91 @@ def run_units(work: Callable[[int, int], None], n_units: int, threads: int) -> i
     return workers
 
 
+ENV_NO_PIN = "ATTNGRAD_NO_PIN"
+
+
+def _placement(workers: int, pool: ThreadPoolExecutor):
+    """Where :func:`run_units`'s workers run: returns ``(mask, here)``, the calling thread's
+    CPU set and the CPU it is on, after moving the pool's threads onto the other CPUs of
+    ``mask``; or ``(None, None)``, leaving placement to the OS: more workers than CPUs, no
+    per-thread CPU affinity on this platform, or ``ATTNGRAD_NO_PIN`` set (not "" or "0").
+
+    Why: a pool thread woken by the caller is often queued on the caller's CPU, which keeps
+    running, and the two share that core for a scheduler tick or more while another core
+    idles (issue 13, docs/performance.md: units of 1.1 ms took 4-6 ms of wall clock on 1.2
+    ms of CPU time; the tiled forward at B=1 H=8 N=1024 on 2 cores, 0.15 s idle before each
+    call: median 15.9 -> 10.5 ms, worst 19.0 -> 15.0).  The pool's threads are moved before
+    they are woken, so that they wake where they are to run."""
+    if not hasattr(os, "sched_setaffinity") or _env(ENV_NO_PIN) not in ("", "0"):
+        return None, None
+    try:
+        mask = os.sched_getaffinity(0)
+    except OSError:  # pragma: no cover - depends on the platform
+        return None, None
+    here = _current_cpu()
+    if workers > len(mask) or here not in mask:
+        return None, None
+    others = mask - {here}
+    for t in _pool_threads(pool):
+        _hold(t.native_id, others)
+    return mask, here
+
+
+def _env(name: str) -> str:
+    return os.environ.get(name, "").strip()
+
+
+def _hold(tid: int, cpus: set) -> None:
+    """Run thread ``tid`` (0: the calling thread) on ``cpus``; a refusal (the thread has
+    ended, or the process's CPU set no longer holds them) leaves it as it is."""
+    try:
+        os.sched_setaffinity(tid, cpus)
+    except OSError:
+        pass
+
+
+_GETCPU = None
+
+
+def _current_cpu() -> int:
+    """The CPU the calling thread runs on (glibc's sched_getcpu), -1 where unknown."""
+    global _GETCPU
+    if _GETCPU is None:
+        try:
+            import ctypes
+
+            fn = ctypes.CDLL(None).sched_getcpu
+            fn.restype, fn.argtypes = ctypes.c_int, []
+            _GETCPU = fn
+        except (OSError, AttributeError):  # pragma: no cover - not glibc
+            _GETCPU = False
+    return _GETCPU() if _GETCPU else -1
+
+
+def _pool_threads(pool: ThreadPoolExecutor) -> list:
+    """The threads of a pool of :func:`_unit_pool` (all started when it was made)."""
+    return list(getattr(pool, "_threads", ()))
+
+
 _UNIT_POOL: ThreadPoolExecutor | None = None
 _UNIT_POOL_SIZE = 0
 
 
 def _unit_pool(n: int) -> ThreadPoolExecutor:
-    """The persistent pool of :func:`run_units` with at least ``n`` threads.  It is
-    replaced by a larger one when a call asks for more workers, never shut down: a
-    concurrent call may still be submitting to the old one, whose idle threads exit once
-    nothing refers to it.  Separate from :func:`shared_pool`, which units themselves may use."""
+    """The persistent pool of :func:`run_units` with at least ``n`` threads, all started
+    (so that :func:`_placement` can place each before its first unit).  It is replaced by
+    a larger one when a call asks for more workers, never shut down: a concurrent call may
+    still be submitting to the old one, whose idle threads exit once nothing refers to it.
+    Separate from :func:`shared_pool`, which units themselves may use."""
     global _UNIT_POOL, _UNIT_POOL_SIZE
     with _LOCK:
         if _UNIT_POOL is None or _UNIT_POOL_SIZE < n:
-            _UNIT_POOL_SIZE = max(n, available_cores() - 1, 1)
-            _UNIT_POOL = ThreadPoolExecutor(max_workers=_UNIT_POOL_SIZE, thread_name_prefix="attngrad-units")
+            size = max(n, available_cores() - 1, 1)
+            pool = ThreadPoolExecutor(max_workers=size, thread_name_prefix="attngrad-units")
+            gate = threading.Barrier(size)  # each task waits for all: one thread each
+            for f in [pool.submit(gate.wait, 10) for _ in range(size)]:
+                f.result()
+            _UNIT_POOL, _UNIT_POOL_SIZE = pool, size
         return _UNIT_POOL
 
 
