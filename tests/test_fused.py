@@ -260,10 +260,11 @@ def test_auto_prefers_tiled_for_causal_problems_of_several_tiles(monkeypatch):
     assert choose_impl(np, problem(128, 32, causal=True)) == "dense"  # one query tile
     assert choose_impl(np, problem(1024, 2, causal=True).shape) == "dense"  # size only
     assert choose_impl(np, problem(512, 1)) == "dense"  # 2^18 logits: small
-    assert choose_impl(np, problem(1024, 2)) == "dense"  # 2^21 logits, nothing to skip
-    # 2^22 logits, nothing to skip: tiled where the compiled tile loops take the problem,
-    # dense for the NumPy tile loop (a bias is not theirs) or without them
+    assert choose_impl(np, problem(512, 2)) == "dense"  # 2^19 logits, nothing to skip
+    # from 2^21 logits, nothing to skip: tiled where the compiled tile loops take the
+    # problem, dense for the NumPy tile loop (a bias is not theirs) or without them
     compiled = fused.tile_loops() is not None
+    assert choose_impl(np, problem(1024, 2)) == ("tiled" if compiled else "dense")
     assert choose_impl(np, problem(1024, 4)) == ("tiled" if compiled else "dense")
     bias = np.zeros((1, 4, 1024, 1024), dtype=np.float32)
     assert choose_impl(np, problem(1024, 4, bias=bias)) == "dense"

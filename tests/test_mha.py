@@ -344,9 +344,9 @@ def test_the_layer_and_the_linear_layer_share_one_weight_gradient(monkeypatch):
 
     calls = []
 
-    def spy(xp, x, dy):
+    def spy(xp, x, dy, **kw):
         calls.append(x.shape)
-        return weight_grad(xp, x, dy)
+        return weight_grad(xp, x, dy, **kw)
 
     monkeypatch.setattr(mha_mod, "weight_grad", spy)
     monkeypatch.setattr(linear_mod, "weight_grad", spy)
@@ -357,3 +357,59 @@ def test_the_layer_and_the_linear_layer_share_one_weight_gradient(monkeypatch):
     _, lc = linear_mod.linear_forward({"W": params["W_q"]}, inputs["X"])
     linear_mod.linear_backward(upstream, lc)
     assert len(calls) == 5
+
+
+@pytest.mark.parametrize("flavor", ["self", "cross", "causal"])
+@pytest.mark.parametrize("bias", list(BIAS_SETS))
+@pytest.mark.parametrize(("heads", "kv_heads"), [(2, 2), (4, 2)])
+def test_projections_on_the_workers_match_torch_autograd(monkeypatch, flavor, bias, heads, kv_heads):
+    """impl="tiled": the projections and their gradients run as pooled products
+    (core.products; self-attention's three as one GEMM against [W_q W_k W_v] + the biases
+    side by side), every gradient still autograd's."""
+    from attngrad.core import fused, products
+
+    if fused.products() is None:
+        pytest.skip("the compiled loops (numba) are off")
+    monkeypatch.setattr(products, "MIN_FLOPS", 0)  # every product of the layer pooled
+    pooled = []
+    real = products.matmul
+
+    def spy(a, b, out=None, **kw):
+        pooled.append(products.pooled(a, b, out, **kw))
+        return real(a, b, out, **kw)
+
+    monkeypatch.setattr(products, "matmul", spy)
+    lq, lk, kdim, vdim = (4, 6, 5, 7) if flavor == "cross" else (4, 4, E, E)
+    params, inputs, kwargs, upstream, allowed = build(flavor, bias, heads, kv_heads, lq, lk, kdim, vdim, "key_lengths")
+    y, grads = closed_form(params, inputs, {**kwargs, "impl": "tiled"}, upstream)
+    t_y, t_grads = autograd(params, inputs, kwargs, upstream, allowed)
+    assert pooled and all(pooled)
+    # forward: 1 merged GEMM for self-attention, else 3; + W_o; backward: dW_o, dC, then
+    # one dW per projection and one dX per source (merged buffer) or per projection
+    n_forward = (1 if flavor != "cross" else 3) + 1
+    assert len(pooled) > n_forward + 2
+    assert_close_rel({"Y": y}, {"Y": t_y})
+    assert_close_rel(grads, t_grads)
+
+
+@pytest.mark.parametrize(("batch", "causal", "extra"), [(4, False, {}), (1, False, {}), (2, True, {}),
+                                                         (4, False, {"bias": "yes"})])
+def test_the_layers_guess_of_the_core_path_is_the_cores_choice(batch, causal, extra):
+    """impl="auto": the projections go to the workers when the layer expects the core there
+    (layers.mha._core_on_pool); for inputs it can judge, that is the core's own choice."""
+    from attngrad.core.tiled import TiledCache
+    from attngrad.layers.mha import _core_on_pool
+
+    heads, length, width = 8, 256, 64
+    rng = np.random.default_rng(batch)
+    params = init_mha_params(width, heads, dtype="float32", rng=rng)
+    x = rng.standard_normal((batch, length, width)).astype(np.float32)
+    kwargs = {"causal": causal}
+    if extra:
+        kwargs["bias"] = np.zeros((1, heads, length, length), np.float32)
+    guess = _core_on_pool(np, "auto", batch, heads, length, length, causal=causal, window=None,
+                          plain=not extra)
+    _, cache = mha_forward(params, x, num_heads=heads, **kwargs)
+    assert guess == isinstance(cache.attn, TiledCache)
+    assert _core_on_pool(np, "tiled", 1, 1, 1, 1, causal=False, window=None, plain=True)
+    assert not _core_on_pool(np, "dense", batch, heads, length, length, causal=False, window=None, plain=True)

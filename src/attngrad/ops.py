@@ -4,6 +4,7 @@
     merge_heads   (..., B, heads, L, D) -> (..., B, L, heads*D), their concatenation        (M3)
     project       Y = X W + b, X (..., in), as one 2-D GEMM                          (F1) (M1) (M4)
     weight_grad   dW = X^T dY summed over every leading axis                         (F2) (M5) (M7)
+    matmul        op(A) op(B) for 2-D arrays; pool=True: large NumPy ones on the tiled path's workers
 
 Used by the attention layer (``layers/mha.py``), the affine layer (``nn/linear.py``), the
 closed-form JVPs/HVPs (``jacobian/``) and the formula catalogue (``formulas/expr.py``).
@@ -17,7 +18,7 @@ import math
 
 import numpy as np
 
-from .core import fused
+from .core import fused, products
 from .core._xp import Array
 
 _SUMMED = (np.dtype(np.float32), np.dtype(np.float64))  # the dtypes fused.column_sums takes
@@ -50,12 +51,26 @@ def merge_heads(xp, x: Array) -> Array:
     return reshape(y, (*lead, n_l, h * d))  # (..., B, L, heads*D)
 
 
-def project(xp, x: Array, w: Array, b: Array | None = None) -> Array:
+def matmul(xp, a: Array, b: Array, *, trans_a: bool = False, trans_b: bool = False,
+           pool: bool = False) -> Array:
+    """op(A) op(B) for 2-D A, B, op = the transpose where asked (a flag, not a copy), with
+    ``@``; with ``pool``, large NumPy products run on the tiled path's workers instead
+    (:func:`attngrad.core.products.matmul`), for callers whose attention runs there too
+    (no BLAS thread pool left spinning beside those workers).  Returns a new array."""
+    if pool and type(a) is np.ndarray:
+        return products.matmul(a, b, trans_a=trans_a, trans_b=trans_b)
+    return (xp.matrix_transpose(a) if trans_a else a) @ (xp.matrix_transpose(b) if trans_b else b)
+
+
+def project(xp, x: Array, w: Array, b: Array | None = None, *, pool: bool = False) -> Array:
     """X (..., in) @ W (in, out) + b -> (..., out), as one 2-D GEMM over all leading axes
-    (faster than a batched one).  Returns a new array."""
+    (faster than a batched one; ``pool`` as :func:`matmul`).  Returns a new array."""
     reshape = _shape_ops(xp, x)[0]
     *lead, n_in = x.shape
-    y = reshape(reshape(x, (math.prod(lead), n_in)) @ w, (*lead, w.shape[1]))  # (F1) (..., out)
+    x2 = reshape(x, (math.prod(lead), n_in))  # (N, in)
+    if pool and products.pooled(x2, w, bias=b):  # the bias added inside each block of rows
+        return reshape(products.matmul(x2, w, bias=b), (*lead, w.shape[1]))  # (F1) (..., out)
+    y = reshape(matmul(xp, x2, w, pool=pool), (*lead, w.shape[1]))  # (F1) (..., out)
     if b is None:
         return y
     if isinstance(y, np.ndarray) and y.dtype == np.result_type(y, b):
@@ -63,8 +78,9 @@ def project(xp, x: Array, w: Array, b: Array | None = None) -> Array:
     return y + b  # (F1)
 
 
-def weight_grad(xp, x: Array, dy: Array) -> Array:
-    """X^T dY for X (..., in), dY (..., out), summed over every leading axis: (in, out).
+def weight_grad(xp, x: Array, dy: Array, *, pool: bool = False) -> Array:
+    """X^T dY for X (..., in), dY (..., out), summed over every leading axis: (in, out)
+    (``pool`` as :func:`matmul`).
 
     One 2-D GEMM over all rows, the transpose passed to BLAS as a flag (no copy).  A
     float32 variant that summed partial products over blocks of 128 rows was dropped
@@ -76,7 +92,7 @@ def weight_grad(xp, x: Array, dy: Array) -> Array:
     n, n_out = math.prod(lead), dy.shape[-1]
     x2 = xp.reshape(x, (n, n_in))  # (N, in)
     dy2 = xp.reshape(dy, (n, n_out))  # (N, out)
-    return xp.matrix_transpose(x2) @ dy2  # (F2) (in, out)
+    return matmul(xp, x2, dy2, trans_a=True, pool=pool)  # (F2) (in, out)
 
 
 def bias_grad(xp, dy: Array) -> Array:

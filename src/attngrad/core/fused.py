@@ -134,6 +134,23 @@ def tile_loops():
     return _LOOPS or None
 
 
+_PRODUCTS = None  # (gemm, blas) of :mod:`._tiled_kernels`, False when unavailable
+
+
+def products():
+    """``(gemm, blas)``: the compiled loops' CBLAS product (:func:`._tiled_kernels.gemm`)
+    and the BLAS it calls (as :func:`tile_loops`), or None where those loops are off."""
+    global _PRODUCTS
+    loops = tile_loops()
+    if loops is None:
+        return None
+    if _PRODUCTS is None:
+        from ._tiled_kernels import gemm
+
+        _PRODUCTS = (gemm, loops[2])
+    return _PRODUCTS
+
+
 _MIN_ROWS_PER_WORKER = 64
 _PARALLEL_MIN_SIZE = 1 << 18  # below this one thread is faster (as core.parallel's)
 

@@ -139,38 +139,47 @@ def resolve_tiles(tiling: Tiling, prob: Problem) -> Tiling:
 AUTO_TILED_SKIP_MIN_ENTRIES = 1 << 21
 # Where the compiled tile loops cover the problem (:func:`compiled_loops`), the tiled path
 # is faster than the dense one from these sizes on (fwd + bwd, float32, 2 cores, D=64;
-# `python benchmarks/auto_switch.py`, docs/performance.md: tiled/dense 0.95 at 2^23 logits
-# without a mask, 0.93 and 1.27 at 2^21; causal 0.84 at 2^20, 0.57-0.65 at 2^21).
-# Without a causal or window rule the switch sits at 2^22, not lower: inside the
-# multi-head layer the projections' BLAS threads still spin when the attention starts,
-# which costs the tiled path's own workers more than the dense path's BLAS calls (layer
-# B=4 N=256 E=512 H=8, 2^21 logits: dense 1.01x, tiled 1.27x torch.nn.MultiheadAttention).
-AUTO_COMPILED_MIN_ENTRIES = 1 << 22
+# `python benchmarks/auto_switch.py`, docs/performance.md).  Without a causal or window
+# rule: 2^21 logits since the ninth round (Intel Xeon, MKL, pinned workers: tiled/dense
+# 0.69 at B=4 H=8 N=256, 0.79 at B=1 H=8 N=512, 0.95 at 2^20, 1.00 at 2^19); inside the
+# multi-head layer the projections then run on the same workers (ops.matmul), so no BLAS
+# thread pool spins beside them.  With a causal or window rule: 2^19 (causal 0.84 at 2^20,
+# 0.57-0.65 at 2^21, eighth round).
+AUTO_COMPILED_MIN_ENTRIES = 1 << 21
 AUTO_COMPILED_SKIP_MIN_ENTRIES = 1 << 19
+
+
+def auto_rule(entries: int, lq: int, skips: bool, compiled) -> str:
+    """The size rule of impl="auto" for NumPy inputs of ``entries`` logits and ``lq`` query
+    rows: "tiled" or "dense".  ``skips``: a causal or window rule; ``compiled``: a callable
+    saying whether the compiled tile loops cover the problem, called only where the sizes
+    ask (it may look at every batch row's key lengths)."""
+    if entries >= AUTO_TILED_MIN_ENTRIES:
+        return "tiled"
+    skips = skips and lq > DEFAULT_BLOCK_Q_SKIPPING
+    big = entries >= AUTO_COMPILED_MIN_ENTRIES or (skips and entries >= AUTO_COMPILED_SKIP_MIN_ENTRIES)
+    if big and compiled():
+        return "tiled"
+    if skips and entries >= AUTO_TILED_SKIP_MIN_ENTRIES:
+        return "tiled"
+    return "dense"
 
 
 def choose_impl(xp, prob) -> str:
     """impl="auto": tiled for NumPy inputs of at least AUTO_TILED_MIN_ENTRIES logits, or of
     AUTO_TILED_SKIP_MIN_ENTRIES when ``prob`` is a :class:`Problem` whose causal or window
     rule lets the tiled path skip tiles; from AUTO_COMPILED_MIN_ENTRIES (with skipping,
-    AUTO_COMPILED_SKIP_MIN_ENTRIES) when the compiled tile loops cover the Problem.
-    ``prob``: a Problem, or an SDPAShape (size only)."""
+    AUTO_COMPILED_SKIP_MIN_ENTRIES) when the compiled tile loops cover the Problem
+    (:func:`auto_rule`).  ``prob``: a Problem, or an SDPAShape (size only)."""
     sh = prob.shape if isinstance(prob, Problem) else prob
     entries = sh.batch * sh.heads * sh.lq * sh.lk
     if xp is not np:
         return "dense"
-    if entries >= AUTO_TILED_MIN_ENTRIES:
-        return "tiled"
     if not isinstance(prob, Problem):
-        return "dense"
+        return "tiled" if entries >= AUTO_TILED_MIN_ENTRIES else "dense"
     spec = prob.spec
-    skips = (spec.causal is not None or spec.window is not None) and sh.lq > DEFAULT_BLOCK_Q_SKIPPING
-    big = entries >= AUTO_COMPILED_MIN_ENTRIES or (skips and entries >= AUTO_COMPILED_SKIP_MIN_ENTRIES)
-    if big and fused.tile_loops() is not None and covered(prob):  # sizes first:
-        return "tiled"  # covered() looks at every batch row's key lengths
-    if skips and entries >= AUTO_TILED_SKIP_MIN_ENTRIES:
-        return "tiled"
-    return "dense"
+    skips = spec.causal is not None or spec.window is not None
+    return auto_rule(entries, sh.lq, skips, lambda: fused.tile_loops() is not None and covered(prob))
 
 
 def _index(a, b: int, h: int):

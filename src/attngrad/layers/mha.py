@@ -21,10 +21,12 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..core import fused
 from ..core._xp import Array, check_array, check_float_dtypes, dtype_name, namespace
 from ..core.sdpa import SDPACache, sdpa_backward, sdpa_forward
+from ..core.tiled import TiledCache, auto_rule
 from ..core.workspace import SEQUENTIAL, scratch
-from ..ops import bias_grad, merge_heads, project, split_heads, weight_grad
+from ..ops import bias_grad, matmul, merge_heads, project, split_heads, weight_grad
 from .qk_prep import NORM_WEIGHTS, QKPrepCache, check_qk_options, qk_prep_backward, qk_prep_forward
 
 WEIGHTS = ("W_q", "W_k", "W_v", "W_o")
@@ -209,9 +211,19 @@ def mha_forward(
     bq, bk, bv, bo = (params.get(b) for b in BIASES)
     # (M1) split into heads as views: the core's per-head products read a head's (L, d)
     # rows with a stride (BLAS takes it as they are), so no copy of Q, K, V is made
-    q = split_heads(xp, project(xp, query, wq, bq), H)  # (M1) (B, H, Lq, D)
-    k = split_heads(xp, project(xp, key_src, wk, bk), Hkv)  # (M1) (B, Hkv, Lk, D)
-    v = split_heads(xp, project(xp, value_src, wv, bv), Hkv)  # (M1) (B, Hkv, Lk, Dv)
+    pool = _core_on_pool(
+        xp, impl, query.shape[0], H, query.shape[1], key_src.shape[1], causal=causal,
+        window=window, plain=mask is None and bias is None and not dropout_p
+        and q_segment_ids is None and kv_segment_ids is None,
+    )
+    if pool and sources == ("query", "query", "query"):  # self-attention on the workers
+        q, k, v = _project_merged(query, (wq, wk, wv), (bq, bk, bv))  # (M1) (B, L, width) views
+    else:
+        q, k, v = (project(xp, x, w, b, pool=pool) for x, w, b in
+                   ((query, wq, bq), (key_src, wk, bk), (value_src, wv, bv)))  # (M1) (B, L, width)
+    q = split_heads(xp, q, H)  # (M1) (B, H, Lq, D)
+    k = split_heads(xp, k, Hkv)  # (M1) (B, Hkv, Lk, D)
+    v = split_heads(xp, v, Hkv)  # (M1) (B, Hkv, Lk, Dv)
     qk = None
     if qk_opts.active:
         q, k, qk = qk_prep_forward(params, q, k, qk_opts)  # (QN7) (B, H, Lq, D), (B, Hkv, Lk, D)
@@ -226,9 +238,42 @@ def mha_forward(
         dropout_seed=dropout_seed, scale_grad=scale_grad,
     )  # (M2) (B, H, Lq, Dv)
     c = merge_heads(xp, o)  # (M3) (B, Lq, H*Dv)
-    y = project(xp, c, wo, bo)  # (M4) (B, Lq, E_out)
+    y = project(xp, c, wo, bo, pool=isinstance(attn, TiledCache))  # (M4) (B, Lq, E_out)
     cache = MHACache(dict(params), query, key_src, value_src, sources, c, attn, H, Hkv, qk)
     return y, cache
+
+
+def _project_merged(x, ws, bs) -> tuple:
+    """(M1) for the three projections of one NumPy input X (B, L, E): one GEMM against the
+    weights side by side, X [W_q W_k W_v] + [b_q b_k b_v] (one pass over X, one dispatch
+    to the workers, issue 13), the result's column blocks returned as views (B, L, width)."""
+    n_in = x.shape[2]
+    widths = [w.shape[1] for w in ws]
+    dtype = np.result_type(*ws)
+    w_cat = scratch("mha.wcat", (n_in, sum(widths)), dtype)  # (E, sum widths) a temporary
+    w_cat = np.concatenate(ws, axis=1, out=w_cat)
+    b_cat = None
+    if any(b is not None for b in bs):
+        b_cat = np.concatenate([np.zeros(w, dtype) if b is None else b for b, w in zip(bs, widths, strict=True)])
+    y = project(np, x, w_cat, b_cat, pool=True)  # (M1) (B, L, sum widths)
+    offs = np.cumsum([0, *widths])
+    return tuple(y[:, :, offs[i]:offs[i + 1]] for i in range(3))
+
+
+def _core_on_pool(xp, impl, batch: int, heads: int, lq: int, lk: int, *, causal, window,
+                  plain: bool) -> bool:
+    """Whether the attention core will run on the tiled path's workers, so that the
+    projections before it should too (:func:`attngrad.ops.matmul`'s ``pool``): with
+    impl="tiled", or "auto" where its size rule (:func:`attngrad.core.tiled.auto_rule`)
+    picks the tiled path and the compiled loops take the problem (``plain``: no mask
+    array, bias, dropout or segment ids, whose coverage only the core can tell; a wrong
+    guess costs time, never a bit).  After the core, its cache tells for sure."""
+    if impl == "tiled":
+        return True
+    if impl != "auto" or xp is not np:
+        return False
+    skips = (causal is not False and causal is not None) or window is not None
+    return auto_rule(batch * heads * lq * lk, lq, skips, lambda: plain and fused.tile_loops() is not None) == "tiled"
 
 
 def check_cache(cache) -> None:
@@ -271,10 +316,11 @@ def mha_backward(dy, cache: MHACache) -> tuple[dict, dict]:
     grads = {}
     B, Lq, E_out = dy.shape
     dy2 = xp.reshape(dy, (B * Lq, E_out))  # (B*Lq, E_out) a view: 2-D GEMMs below, never batched
-    grads["W_o"] = weight_grad(xp, cache.context, dy2)  # (M5) dW_o = C^T dY
+    pool = isinstance(cache.attn, TiledCache)  # the core ran on the workers: so do the GEMMs
+    grads["W_o"] = weight_grad(xp, cache.context, dy2, pool=pool)  # (M5) dW_o = C^T dY
     if "b_o" in p:
         grads["b_o"] = bias_grad(xp, dy2)  # (M5) db_o = sum dY
-    dc = xp.reshape(dy2 @ xp.matrix_transpose(p["W_o"]), (B, Lq, -1))  # (M5) dC = dY W_o^T  (B, Lq, H*Dv)
+    dc = xp.reshape(matmul(xp, dy2, p["W_o"], trans_b=True, pool=pool), (B, Lq, -1))  # (M5) dC = dY W_o^T  (B, Lq, H*Dv)
     arrays = {"query": cache.query, "key": cache.key, "value": cache.value}
     roles_of = {}  # source -> the projections it fed, in q, k, v order
     for role, src in zip("qkv", cache.sources, strict=True):
@@ -291,7 +337,7 @@ def mha_backward(dy, cache: MHACache) -> tuple[dict, dict]:
     inputs = {}
     for src, roles in roles_of.items():
         dx, g_proj = _projections_backward(xp, arrays[src], [g[r] for r in roles], [_PROJ[r] for r in roles],
-                                           p, merged.get(src, (None,))[0])  # (M7) (M8) (M9)
+                                           p, merged.get(src, (None,))[0], pool)  # (M7) (M8) (M9)
         grads.update(g_proj)
         inputs[src] = dx
     for name in ("bias", "scale"):  # the additive bias (A10) and the learned temperature (V7)
@@ -345,7 +391,7 @@ def _head_columns(buf, heads: list) -> list:
     return views
 
 
-def _projections_backward(xp, x, dheads, names, p, merged=None) -> tuple:
+def _projections_backward(xp, x, dheads, names, p, merged=None, pool=False) -> tuple:
     """Backward of the projections that read one input X (B, L, in): (M7), (M8) and their
     sum (M9).  ``dheads``: dQ / dK / dV per head, (B, heads, L, d) each; ``names``: their
     (weight, bias) keys; ``merged``: the (B, L, sum of widths) buffer whose columns
@@ -378,22 +424,22 @@ def _projections_backward(xp, x, dheads, names, p, merged=None) -> tuple:
         sums = bias_grad(xp, d2) if any(bname in p for _, bname in names) else None  # (sum widths,)
         off = 0
         for (wname, bname), w in zip(names, widths, strict=True):
-            grads[wname] = weight_grad(xp, x2, d2[:, off:off + w])  # (M7) dW = X^T dQ (in, w)
+            grads[wname] = weight_grad(xp, x2, d2[:, off:off + w], pool=pool)  # (M7) dW = X^T dQ (in, w)
             if bname in p:
                 grads[bname] = sums[off:off + w].copy()  # (M7) (w,) its own array, not a view
             off += w
         ws = [p[wname] for wname, _ in names]
         w_cat = scratch("mha.wcat", (n_in, off), np.result_type(*ws))  # (in, sum widths) a temporary
         w_cat = np.concatenate(ws, axis=1, out=w_cat)
-        dx = d2 @ w_cat.T  # (M8) (M9) (B*L, in): dQ W_q^T + dK W_k^T + dV W_v^T
+        dx = matmul(xp, d2, w_cat, trans_b=True, pool=pool)  # (M8) (M9) (B*L, in): dQ W_q^T + dK W_k^T + dV W_v^T
         return xp.reshape(dx, (B, L, n_in)), grads
     dx = None
     for d, (wname, bname) in zip(dheads, names, strict=True):
         d2 = xp.reshape(merge_heads(xp, d), (B * L, -1))  # (B*L, heads*d): dQ, dK or dV
-        grads[wname] = weight_grad(xp, x2, d2)  # (M7) dW = X^T dQ
+        grads[wname] = weight_grad(xp, x2, d2, pool=pool)  # (M7) dW = X^T dQ
         if bname in p:
             grads[bname] = bias_grad(xp, d2)  # (M7) db = sum dQ
-        dxi = d2 @ xp.matrix_transpose(p[wname])  # (M8) dX = dQ W^T  (B*L, in)
+        dxi = matmul(xp, d2, p[wname], trans_b=True, pool=pool)  # (M8) dX = dQ W^T  (B*L, in)
         dx = dxi if dx is None else dx + dxi  # (M9)
     return xp.reshape(dx, (B, L, n_in)), grads
 

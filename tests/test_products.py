@@ -1,0 +1,127 @@
+"""core.products.matmul: large 2-D products (+ bias) on the tiled path's workers, the
+layer's projections when its attention runs there.  Against a float64 product, bitwise the
+same whatever the worker count or placement, and NumPy's answer wherever it declines."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from attngrad.core import fused, parallel, products
+from attngrad.core.parallel import ENV_NO_PIN
+
+compiled = pytest.mark.skipif(fused.products() is None, reason="the compiled loops (numba) are off")
+
+
+def _operands(rng, m, k, n, trans_a, trans_b, dtype):
+    a = rng.standard_normal((k, m) if trans_a else (m, k)).astype(dtype)
+    b = rng.standard_normal((n, k) if trans_b else (k, n)).astype(dtype)
+    return a, b
+
+
+def _reference(a, b, trans_a, trans_b, bias=None):
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    c = (a64.T if trans_a else a64) @ (b64.T if trans_b else b64)
+    return c if bias is None else c + bias
+
+
+@compiled
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize(("trans_a", "trans_b"), [(False, False), (True, False), (False, True), (True, True)])
+@pytest.mark.parametrize(("m", "k", "n"), [(600, 70, 90), (256, 33, 5), (1, 64, 300), (300, 1, 7)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_pooled_product_matches_float64(monkeypatch, dtype, trans_a, trans_b, m, k, n, with_bias):
+    monkeypatch.setattr(products, "MIN_FLOPS", 0)  # small shapes take the pooled path
+    rng = np.random.default_rng([m, k, n, trans_a, trans_b, with_bias])
+    a, b = _operands(rng, m, k, n, trans_a, trans_b, dtype)
+    bias = rng.standard_normal(n).astype(dtype) if with_bias else None
+    assert products.pooled(a, b, trans_a=trans_a, trans_b=trans_b, bias=bias)
+    c = products.matmul(a, b, trans_a=trans_a, trans_b=trans_b, bias=bias)
+    assert c.shape == (m, n) and c.dtype == dtype and c.flags.c_contiguous
+    ref = _reference(a, b, trans_a, trans_b, bias)
+    eps = np.finfo(dtype).eps
+    # a dot product of k terms: |error| <= k eps sum |a_i b_i| (+ the bias's rounding)
+    bound = (k + 2) * eps * (np.abs(_reference(np.abs(a), np.abs(b), trans_a, trans_b)) + 1)
+    assert np.all(np.abs(c - ref) <= bound)
+
+
+@compiled
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_pooled_product_is_bitwise_the_same_for_any_worker_count_and_placement(monkeypatch, dtype):
+    monkeypatch.setattr(products, "MIN_FLOPS", 0)
+    rng = np.random.default_rng(7)
+    a, b = _operands(rng, 1000, 129, 77, False, True, dtype)
+    bias = rng.standard_normal(77).astype(dtype)
+    results = []
+    for workers in (1, 2, 3):
+        for no_pin in ("0", "1"):
+            monkeypatch.setenv(ENV_NO_PIN, no_pin)
+            monkeypatch.setattr(products, "available_cores", lambda w=workers: w)
+            results.append(products.matmul(a, b, trans_b=True, bias=bias))
+    for c in results[1:]:
+        np.testing.assert_array_equal(c, results[0])
+    assert not any(np.shares_memory(c, d) for i, c in enumerate(results) for d in results[i + 1:])
+
+
+@compiled
+def test_pooled_product_writes_out_and_runs_on_the_workers(monkeypatch):
+    monkeypatch.setattr(products, "MIN_FLOPS", 0)
+    seen = []
+    real = parallel.run_units
+
+    def spy(fn, n_units, threads):
+        seen.append(n_units)
+        return real(fn, n_units, threads)
+
+    monkeypatch.setattr(products, "run_units", spy)
+    rng = np.random.default_rng(1)
+    a, b = _operands(rng, 700, 40, 30, False, False, np.float32)
+    out = np.full((700, 30), np.nan, dtype=np.float32)
+    assert products.matmul(a, b, out) is out
+    assert seen == [-(-700 // products.CHUNK_ROWS)]
+    np.testing.assert_allclose(out, _reference(a, b, False, False), rtol=1e-5, atol=1e-4)
+
+
+def test_what_the_pooled_path_declines_numpy_computes(monkeypatch):
+    """Overlapping or read-only out, strided rows, mixed or integer dtypes, non-NumPy
+    arrays, small products: NumPy's matmul, the same values as a @ b (+ bias)."""
+    monkeypatch.setattr(products, "MIN_FLOPS", 0)
+    rng = np.random.default_rng(2)
+    a = rng.standard_normal((40, 30))
+    b = rng.standard_normal((30, 40))
+    # out overlapping an input: NumPy buffers it, so the answer is still a @ b
+    square = rng.standard_normal((40, 40))
+    expect = square @ square
+    assert not products.pooled(square, square, square)
+    np.testing.assert_array_equal(products.matmul(square, square, square), expect)
+    # columns a stride apart, mixed dtypes, integers, a 0-d bias: declined, NumPy's values
+    strided = np.asfortranarray(a)
+    assert not products.pooled(strided, b)
+    np.testing.assert_array_equal(products.matmul(strided, b), strided @ b)
+    assert not products.pooled(a.astype(np.float32), b)
+    ints = np.arange(12).reshape(3, 4)
+    assert not products.pooled(ints, ints.T)
+    np.testing.assert_array_equal(products.matmul(ints, ints.T), ints @ ints.T)
+    bias = rng.standard_normal(40)
+    assert not products.pooled(a, b, bias=bias.astype(np.float32))
+    np.testing.assert_array_equal(products.matmul(a, b, bias=bias.astype(np.float32)), a @ b + bias.astype(np.float32))
+    frozen = np.empty((40, 40))
+    frozen.flags.writeable = False
+    assert not products.pooled(a, b, frozen)
+    monkeypatch.setattr(products, "MIN_FLOPS", 1 << 26)
+    assert not products.pooled(a, b)  # 2 * 40 * 30 * 40 flops: NumPy
+    np.testing.assert_array_equal(products.matmul(a, b, bias=bias), a @ b + bias)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    ((np.ones((3, 4)), np.ones((5, 2))), r"inner sizes differ: \(3, 4\) x \(5, 2\)"),
+    ((np.ones((3, 4)), np.ones((4, 2)), np.ones((2, 3))), r"out must have shape \(3, 2\); got \(2, 3\)"),
+])
+def test_shape_errors_name_the_shapes(args, message):
+    with pytest.raises(ValueError, match=message):
+        products.matmul(*args)
+
+
+def test_a_bias_of_the_wrong_length_is_named():
+    with pytest.raises(ValueError, match=r"bias must have shape \(2,\); got \(3,\)"):
+        products.matmul(np.ones((3, 4)), np.ones((4, 2)), bias=np.ones(3))
