@@ -145,3 +145,22 @@ def test_time_is_estimated_before_any_work():
     with pytest.raises(ResourceError, match="would take about"):
         run_bench(long)
     assert estimate_seconds(BenchConfig(sizes=(8,), rounds=1, memory=False, settle=0, layer=False)) < 1
+
+
+def test_the_primer_leaves_blas_asleep_for_contenders_on_the_tiled_workers(monkeypatch):
+    """attngrad_mha runs on the tiled path's workers where its attention does (the layer's
+    own guess), and is then primed like attngrad_tiled: no BLAS pool woken beside them."""
+    from attngrad.bench import contenders
+    from attngrad.core import fused
+
+    layer = Case(batch=4, heads=8, n=256, d=512, dtype="float32", causal=False, kind="layer")
+    small = layer._replace(batch=1, n=64)
+    compiled = fused.tile_loops() is not None
+    assert contenders.primer("attngrad_tiled") == "numpy_serial"
+    assert contenders.primer("attngrad_mha_tiled", small) == "numpy_serial"
+    assert contenders.primer("attngrad_mha", layer) == ("numpy_serial" if compiled else "numpy")
+    assert contenders.primer("attngrad_mha", small) == "numpy"
+    assert contenders.primer("attngrad_dense") == contenders.primer("attngrad_mha_dense", layer) == "numpy"
+    assert contenders.primer("torch_mha", layer) == "torch"
+    monkeypatch.setattr(fused, "tile_loops", lambda: None)
+    assert contenders.primer("attngrad_mha", layer) == "numpy"

@@ -396,9 +396,9 @@ def test_projections_on_the_workers_match_torch_autograd(monkeypatch, flavor, bi
                                                          (4, False, {"bias": "yes"})])
 def test_the_layers_guess_of_the_core_path_is_the_cores_choice(batch, causal, extra):
     """impl="auto": the projections go to the workers when the layer expects the core there
-    (layers.mha._core_on_pool); for inputs it can judge, that is the core's own choice."""
+    (layers.mha.core_on_pool); for inputs it can judge, that is the core's own choice."""
     from attngrad.core.tiled import TiledCache
-    from attngrad.layers.mha import _core_on_pool
+    from attngrad.layers.mha import core_on_pool
 
     heads, length, width = 8, 256, 64
     rng = np.random.default_rng(batch)
@@ -407,9 +407,9 @@ def test_the_layers_guess_of_the_core_path_is_the_cores_choice(batch, causal, ex
     kwargs = {"causal": causal}
     if extra:
         kwargs["bias"] = np.zeros((1, heads, length, length), np.float32)
-    guess = _core_on_pool(np, "auto", batch, heads, length, length, causal=causal, window=None,
+    guess = core_on_pool(np, "auto", batch, heads, length, length, causal=causal, window=None,
                           plain=not extra)
     _, cache = mha_forward(params, x, num_heads=heads, **kwargs)
     assert guess == isinstance(cache.attn, TiledCache)
-    assert _core_on_pool(np, "tiled", 1, 1, 1, 1, causal=False, window=None, plain=True)
-    assert not _core_on_pool(np, "dense", batch, heads, length, length, causal=False, window=None, plain=True)
+    assert core_on_pool(np, "tiled", 1, 1, 1, 1, causal=False, window=None, plain=True)
+    assert not core_on_pool(np, "dense", batch, heads, length, length, causal=False, window=None, plain=True)

@@ -16,7 +16,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..core.sdpa import sdpa_backward, sdpa_forward
-from ..layers.mha import init_mha_params, mha_backward, mha_forward
+from ..layers.mha import core_on_pool, init_mha_params, mha_backward, mha_forward
 
 Step = Callable[[], None]
 
@@ -167,13 +167,22 @@ def library(name: str) -> str:
     return "torch" if name.startswith("torch") else "numpy"
 
 
-def primer(name: str) -> str:
+def primer(name: str, case: Case | None = None) -> str:
     """How the harness wakes a contender's threads before a timed call: "torch" (a small
     torch GEMM), "numpy" (a NumPy GEMM on BLAS's own threads) or "numpy_serial" (a NumPy
-    GEMM on one BLAS thread) for attngrad_tiled, whose workers run BLAS single-threaded:
-    waking BLAS's pool would leave its threads spinning on the cores those workers need
+    GEMM on one BLAS thread) for the contenders that run on the tiled path's workers,
+    whose products run single-threaded: attngrad_tiled, attngrad_mha_tiled, and
+    attngrad_mha where its attention runs tiled at ``case``'s shape (its projections then
+    run on those workers too, :func:`attngrad.layers.mha.core_on_pool`).  Waking BLAS's
+    pool would leave its threads spinning on the cores those workers need
     (docs/performance.md)."""
-    return "numpy_serial" if name == "attngrad_tiled" else library(name)
+    if name in ("attngrad_tiled", "attngrad_mha_tiled"):
+        return "numpy_serial"
+    if name == "attngrad_mha" and case is not None and core_on_pool(
+        np, "auto", case.batch, case.heads, case.n, case.n, causal=case.causal, window=None, plain=True,
+    ):
+        return "numpy_serial"
+    return library(name)
 
 
 def contender(kind: str, name: str) -> Callable[[Case], Step]:

@@ -12,7 +12,7 @@ import numpy as np
 from ..core.parallel import available_cores, check_threads
 from ..core.tiled import AUTO_TILED_MIN_ENTRIES  # impl="auto" keeps P below this many logits
 from ..resources import format_seconds, require_memory, require_time
-from .contenders import ATTENTION, REFERENCE, Case, contender, library
+from .contenders import ATTENTION, REFERENCE, Case, contender, library, primer
 from .memory import measure
 from .timing import paired_ratios, summarize, time_round_robin
 
@@ -116,7 +116,8 @@ def _run_cases(result: BenchResult, cases: list, names: tuple, cfg: BenchConfig,
         times = {}
         if cfg.timing:
             steps = {name: contender(case.kind, name)(case) for name in names}
-            times = time_round_robin(steps, rounds=cfg.rounds, warmup=cfg.warmup, settle=cfg.settle)
+            times = time_round_robin(steps, rounds=cfg.rounds, warmup=cfg.warmup, settle=cfg.settle,
+                                     primers={name: primer(name, case) for name in names})
             del steps
         ref = REFERENCE[case.kind]
         for name in names:

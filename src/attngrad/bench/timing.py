@@ -40,10 +40,13 @@ def _primer(kind: str) -> Callable[[], None]:
 
 
 def time_round_robin(
-    steps: dict[str, Step], *, rounds: int, warmup: int = 1, settle: float = 0.15
+    steps: dict[str, Step], *, rounds: int, warmup: int = 1, settle: float = 0.15,
+    primers: dict[str, str] | None = None,
 ) -> dict[str, list[float]]:
-    """Seconds of each timed call of each step: ``warmup`` untimed rounds, then ``rounds``."""
-    primers = {name: _primer(primer(name)) for name in steps}
+    """Seconds of each timed call of each step: ``warmup`` untimed rounds, then ``rounds``.
+    ``primers``: each step's primer kind (:func:`.contenders.primer`), default by name."""
+    kinds = primers or {}
+    primers = {name: _primer(kinds.get(name) or primer(name)) for name in steps}
     times: dict[str, list[float]] = {name: [] for name in steps}
     for r in range(warmup + rounds):
         for name, step in steps.items():

@@ -211,7 +211,7 @@ def mha_forward(
     bq, bk, bv, bo = (params.get(b) for b in BIASES)
     # (M1) split into heads as views: the core's per-head products read a head's (L, d)
     # rows with a stride (BLAS takes it as they are), so no copy of Q, K, V is made
-    pool = _core_on_pool(
+    pool = core_on_pool(
         xp, impl, query.shape[0], H, query.shape[1], key_src.shape[1], causal=causal,
         window=window, plain=mask is None and bias is None and not dropout_p
         and q_segment_ids is None and kv_segment_ids is None,
@@ -260,7 +260,7 @@ def _project_merged(x, ws, bs) -> tuple:
     return tuple(y[:, :, offs[i]:offs[i + 1]] for i in range(3))
 
 
-def _core_on_pool(xp, impl, batch: int, heads: int, lq: int, lk: int, *, causal, window,
+def core_on_pool(xp, impl, batch: int, heads: int, lq: int, lk: int, *, causal, window,
                   plain: bool) -> bool:
     """Whether the attention core will run on the tiled path's workers, so that the
     projections before it should too (:func:`attngrad.ops.matmul`'s ``pool``): with
