@@ -150,3 +150,40 @@ def test_a_caller_held_to_one_cpu_still_runs_every_unit(monkeypatch):
     finally:
         os.sched_setaffinity(0, before)
     assert sorted(done) == list(range(12))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_units_that_make_no_blas_call_leave_blas_threads_alone(monkeypatch, threads):
+    """blas=False (the compiled loops on a BLAS of their own): NumPy's BLAS thread count is
+    neither read nor set; blas=True limits it for the call (and sets it back)."""
+    entered = []
+
+    class Spy:
+        def __init__(self, n):
+            entered.append(n)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(parallel, "blas_threads", Spy)
+    seen = []
+    parallel.run_units(lambda u, w: seen.append(u), 6, threads, blas=False)
+    assert sorted(seen) == list(range(6)) and entered == []
+    parallel.run_units(lambda u, w: None, 6, threads)
+    assert entered == [1 if threads > 1 else threads]
+
+
+def test_blas_threads_sets_the_count_and_restores_it():
+    libs = parallel._blas_libs()
+    if not libs:
+        pytest.skip("threadpoolctl found no BLAS")
+    before = [lib.get_num_threads() for lib in libs]
+    with parallel.blas_threads(1):
+        assert [lib.get_num_threads() for lib in libs] == [1] * len(libs)
+        with parallel.blas_threads(1):  # nested: nothing to change, nothing to restore
+            pass
+        assert [lib.get_num_threads() for lib in libs] == [1] * len(libs)
+    assert [lib.get_num_threads() for lib in libs] == before

@@ -69,9 +69,9 @@ def test_pooled_product_writes_out_and_runs_on_the_workers(monkeypatch):
     seen = []
     real = parallel.run_units
 
-    def spy(fn, n_units, threads):
+    def spy(fn, n_units, threads, **kw):
         seen.append(n_units)
-        return real(fn, n_units, threads)
+        return real(fn, n_units, threads, **kw)
 
     monkeypatch.setattr(products, "run_units", spy)
     rng = np.random.default_rng(1)

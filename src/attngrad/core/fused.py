@@ -134,6 +134,24 @@ def tile_loops():
     return _LOOPS or None
 
 
+_PRIVATE = None  # whether tile_loops' BLAS is not NumPy's (MKL's sequential layer)
+
+
+def private_blas() -> bool:
+    """Whether the compiled loops' products run on a BLAS of their own, single-threaded
+    (MKL's sequential layer, :mod:`._blas`), not NumPy's: then their units make no call
+    into NumPy's BLAS and :func:`.parallel.run_units` need not limit its threads."""
+    global _PRIVATE
+    if tile_loops() is None:
+        return False
+    if _PRIVATE is None:
+        from ._blas import cblas_gemm
+
+        found = cblas_gemm()
+        _PRIVATE = found is not None and found.name != "numpy"
+    return _PRIVATE
+
+
 _PRODUCTS = None  # (gemm, blas) of :mod:`._tiled_kernels`, False when unavailable
 
 

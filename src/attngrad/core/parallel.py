@@ -50,23 +50,40 @@ def _controller():
     return _CONTROLLER or None
 
 
+_BLAS_LIBS = None  # the controller's BLAS libraries (threadpoolctl LibController objects)
+
+
+def _blas_libs() -> list:
+    """The BLAS libraries :func:`_controller` found (cached; none without threadpoolctl)."""
+    global _BLAS_LIBS
+    if _BLAS_LIBS is None:
+        ctl = _controller()
+        _BLAS_LIBS = [] if ctl is None else list(ctl.select(user_api="blas").lib_controllers)
+    return _BLAS_LIBS
+
+
 @contextmanager
 def blas_threads(n: int):
-    """Limit BLAS to ``n`` threads inside the block (no-op without threadpoolctl)."""
-    ctl = _controller()
-    if ctl is None:
-        yield
-        return
-    with _LOCK:  # threadpoolctl changes process-wide state
-        limiter = ctl.limit(limits=n, user_api="blas")
+    """Limit BLAS to ``n`` threads inside the block (no-op without threadpoolctl): each
+    library the controller found is set to ``n`` threads where it has another count, and
+    set back after.  Its libraries are asked directly, not through ``limit`` (which
+    selects them anew each time: 0.15 ms per call after an idle spell, issue 13)."""
+    libs = _blas_libs()
+    with _LOCK:  # the thread counts are process-wide state
+        before = [lib.get_num_threads() for lib in libs]
+        for lib, had in zip(libs, before, strict=True):
+            if had != n:
+                lib.set_num_threads(n)
     try:
         yield
     finally:
         with _LOCK:
-            limiter.restore_original_limits()
+            for lib, had in zip(libs, before, strict=True):
+                if had != n:
+                    lib.set_num_threads(had)
 
 
-def run_units(work: Callable[[int, int], None], n_units: int, threads: int) -> int:
+def run_units(work: Callable[[int, int], None], n_units: int, threads: int, *, blas: bool = True) -> int:
     """Call ``work(unit, worker)`` for every unit in ``range(n_units)``; returns the worker count.
     With ``threads`` > 1 and at least two units, ``min(threads, n_units)`` workers take
     units in order from a shared counter, BLAS single-threaded in each: the calling thread
@@ -78,10 +95,13 @@ def run_units(work: Callable[[int, int], None], n_units: int, threads: int) -> i
     all and BLAS may use ``threads`` threads (large single GEMMs).  ``worker`` (0 <= worker
     < returned count) lets each worker own its scratch buffers; a worker the pool never
     got to runs no unit, so which worker ran a unit never changes a result.
+    ``blas=False``: the units make no call into NumPy's BLAS (the compiled loops on MKL's
+    sequential layer, :func:`attngrad.core.fused.private_blas`), so its thread count is
+    left alone (setting and restoring it costs ~0.15 ms after an idle spell, issue 13).
     """
     workers = min(threads, n_units) if _controller() is not None else 1
     if workers <= 1:
-        with blas_threads(threads) if _controller() is not None else nullcontext():
+        with blas_threads(threads) if blas and _controller() is not None else nullcontext():
             for u in range(n_units):
                 work(u, 0)
         return 1
@@ -101,7 +121,7 @@ def run_units(work: Callable[[int, int], None], n_units: int, threads: int) -> i
                 failed.append(worker)
                 raise
 
-    with blas_threads(1):
+    with blas_threads(1) if blas else nullcontext():
         pool = _unit_pool(workers - 1)
         mask, here = _placement(workers, pool)
         futures = [pool.submit(loop, w) for w in range(1, workers)]

@@ -83,5 +83,5 @@ def matmul(a, b, out=None, *, trans_a: bool = False, trans_b: bool = False, bias
             c[r0:r1] = bias  # (r1 - r0, N) rows of the bias, then C += op(a) op(b)
         gemm(blas, rows, trans_a, b, trans_b, c[r0:r1], 1.0, 0.0 if bias is None else 1.0)
 
-    run_units(block, -(-m // CHUNK_ROWS), available_cores())
+    run_units(block, -(-m // CHUNK_ROWS), available_cores(), blas=not fused.private_blas())
     return c

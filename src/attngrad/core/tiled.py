@@ -489,7 +489,7 @@ def tiled_forward(q, k, v, prob: Problem, tiling: Tiling):
             with np.errstate(divide="ignore"):
                 lse[b, h, q0:q1] = np.where(has, m + np.log(np.where(has, l, 1), dtype=lse.dtype), -np.inf)  # (FA1)
 
-    run_units(work, B * H * len(spans), tiling.threads)
+    run_units(work, B * H * len(spans), tiling.threads, blas=loops is None or not fused.private_blas())
     flat = None
     if loops is not None:
         flat = _flat_rows(prob, loops)
@@ -562,9 +562,10 @@ def tile_grads(prob: Problem, hd: Head, q0, q1, k0, k1, tile, p, t, qt_raw, kt, 
 
 
 def _sink_grad(per_head, b, h, sink, lse, delta) -> None:
-    """(V2) dsink_h = -sum_i exp(sink_h - lse_i) delta_i (float64 sum)."""
+    """(V2) dsink_h = -sum_i exp(sink_h - lse_i) delta_i (float64 sum; einsum's own loop,
+    not BLAS: the compiled loops' units make no call into NumPy's BLAS, run_units)."""
     psink = np.exp(sink - lse)  # (Lq,) with sinks every lse is finite
-    per_head[b, h, 2] = -np.dot(psink.astype(np.float64), delta)
+    per_head[b, h, 2] = -np.einsum("i,i->", psink.astype(np.float64), delta)
 
 
 def _add_bias_grad(db, ds, q0, q1, k0, k1) -> None:
@@ -722,7 +723,7 @@ def tiled_backward(dout, cache: TiledCache) -> dict:
             dk[b, hk] *= prob.scale  # (A9)
 
     if loops is not None:
-        run_units(work_compiled, B * Hkv * len(spans), cache.tiling.threads)
+        run_units(work_compiled, B * Hkv * len(spans), cache.tiling.threads, blas=not fused.private_blas())
         per_head[..., :2] = shares.sum(axis=0)
     else:
         run_units(work, len(slots), cache.tiling.threads)
