@@ -354,22 +354,22 @@ def _interval(loops: Loops, b: int):
 # head's time of one core idle: 5.7 ms of 52 in the backward at B=1 H=8 N=1024, issue 13).
 # Forward spans change no bit (rows are independent).  Backward spans each keep their own
 # share of dQ (O(Lq D) memory per span), summed in span order; they depend on the problem
-# only, never on the thread count, so the result does not either.  The backward aims at
-# fewer units, BACKWARD_SPLIT_UNITS: a span's own dQ costs its summation, and 8 heads on
-# 2 cores balance already (ninth round, B=1 H=8 D=64, 2 cores: bwd 21.2 -> 20.2 ms at
-# N=1024, causal 13.3 -> 12.5, N=4096 314 -> 303; H=4 N=1024 10.9 -> 10.8).
-SPLIT_UNITS = 16
-BACKWARD_SPLIT_UNITS = 8
+# only, never on the thread count, so the result does not either.  8 units since the
+# ninth round (16 before): a backward span's own dQ costs its summation, a causal span
+# of rows its imbalance, and 8 heads balance 2 cores already (B=1 H=8 D=64, 2 cores:
+# backward 21.2 -> 20.2 ms at N=1024, causal 13.3 -> 12.5, N=4096 314 -> 303; forward
+# causal 7.41 -> 7.08 at N=1024, 73.1 -> 67.8 at N=4096, N=1024 10.56 -> 10.46, N=4096
+# 124.4 -> 126.7 and 125.9 -> 127.2 in two runs; H=4, H=2: within 2 %).
+SPLIT_UNITS = 8
 MAX_SPANS = 4
 
 
-def split_spans(length: int, block: int, units: int, target: int | None = None) -> list:
+def split_spans(length: int, block: int, units: int) -> list:
     """Spans [s, e) of ``length`` rows (or keys), on ``block`` boundaries, into which each
-    of ``units`` units of work is split: about ``target`` (default SPLIT_UNITS) units in
-    all, at most MAX_SPANS spans each."""
+    of ``units`` units of work is split: about SPLIT_UNITS units in all, at most MAX_SPANS
+    spans each."""
     tiles = -(-length // block) if length else 1
-    target = SPLIT_UNITS if target is None else target
-    parts = max(1, min(tiles, -(-target // max(units, 1)), MAX_SPANS))
+    parts = max(1, min(tiles, -(-SPLIT_UNITS // max(units, 1)), MAX_SPANS))
     edges = [block * (tiles * i // parts) for i in range(parts)] + [length]
     return list(itertools.pairwise(edges))
 
@@ -624,7 +624,7 @@ def tiled_backward(dout, cache: TiledCache) -> dict:
         # order once the last span of the pair is done (so neither the split nor the thread
         # count changes a bit); the spans depend on the problem alone.  Shares are recycled
         # as pairs complete: about one (G, Lq, D) buffer per worker, not a second dQ.
-        spans = split_spans(Lk, bk, B * Hkv, BACKWARD_SPLIT_UNITS)
+        spans = split_spans(Lk, bk, B * Hkv)
         shares = np.zeros((len(spans), B, H, 2))  # dslope, dscale per span and head
     done_parts: dict = {}  # pair -> {span: its dQ share}, until the pair's last span is done
     spare: list = []  # dQ share buffers of completed pairs, for reuse
