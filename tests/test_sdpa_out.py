@@ -187,3 +187,38 @@ def test_out_arrays_sharing_memory_are_refused():
         ag.sdpa_backward(do, cache, out={"q": same, "k": same})
     _, views = _merged_views(q, k, v)  # side by side in one buffer: no element shared
     ag.sdpa_backward(do, cache, out=views)
+
+
+@pytest.mark.parametrize(("dtype", "overlap", "formed_there"), [
+    (np.float32, False, "kqv"), (np.float64, False, "kqv"),
+    (np.float32, True, "kq"),  # dV's out over dOut: dV copied in after, dQ, dK formed there
+    (np.float16, False, ""),  # computed in float32: copied in (rounded) after
+])
+def test_tiled_backward_forms_the_gradients_in_out(monkeypatch, dtype, overlap, formed_there):
+    """The tiled path writes dQ, dK, dV straight into out (no copy) where nothing it reads
+    shares their memory and the dtype is the compute dtype."""
+    import sys
+
+    sdpa_mod = sys.modules["attngrad.core.sdpa"]  # (the package's name sdpa is the function)
+    seen = []
+    real = sdpa_mod.tiled_backward
+
+    def spy(dout, cache, out=None):
+        seen.append("".join(sorted(out or {})))
+        return real(dout, cache, out=out)
+
+    monkeypatch.setattr(sdpa_mod, "tiled_backward", spy)
+    rng = np.random.default_rng(1)
+    q, k, v, do = _problem(rng, dtype)
+    _, cache = ag.sdpa_forward(q, k, v, impl="tiled", causal=True)
+    plain = real(do, cache)
+    _, views = _merged_views(q, k, v)
+    if overlap:
+        both = np.concatenate([do, np.zeros_like(do)], axis=-1)  # (B, H, Lq, 2 Dv): dO and dV side by side
+        do = both[..., :6]
+        views["v"] = both[..., 6:]
+        np.copyto(do, _problem(np.random.default_rng(1), dtype)[3])
+    got = ag.sdpa_backward(do, cache, out=views)
+    assert seen == [formed_there]
+    for name in "qkv":
+        np.testing.assert_array_equal(got[name], plain[name].astype(dtype), err_msg=name)

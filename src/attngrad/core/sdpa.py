@@ -126,11 +126,12 @@ def sdpa_backward(dout, cache, *, out=None) -> dict:
     ``out``: optional mapping from some of ``"q"``, ``"k"``, ``"v"`` to writeable NumPy
     arrays of those gradients' shapes and the forward's dtype, any strides (a view of a
     larger buffer, e.g. merged heads (B, L, H, D) seen as (B, H, L, D)).  Each of those
-    gradients is written there and returned as that array.  On the dense path dQ, dK and
-    dV are formed in place there (no copy; dQ under grouped heads excepted, and an array
-    that may overlap dOut or what the cache holds); elsewhere they are copied in after every
-    gradient is formed, so an ``out`` that overlaps the inputs still gets the right values
-    (as NumPy's ``out=``).  Two ``out`` arrays must not share memory (ValueError).
+    gradients is written there and returned as that array.  dQ, dK and dV are formed in
+    place there (no copy) on both paths, except in an array that may overlap dOut or what
+    the cache holds, under half precision (computed in float32), and for the dense path's
+    dQ under grouped heads: those are copied in after every gradient is formed, so an
+    ``out`` that overlaps the inputs still gets the right values (as NumPy's ``out=``).
+    Two ``out`` arrays must not share memory (ValueError).
     """
     if not isinstance(cache, SDPACache | TiledCache):
         raise TypeError(
@@ -144,14 +145,10 @@ def sdpa_backward(dout, cache, *, out=None) -> dict:
         if type(dout).__module__.split(".")[0] != "numpy":
             raise TypeError(f"dout must be a NumPy array for the tiled path; got {type(dout).__name__}")
         xp = namespace(dout)
-        grads = tiled_backward(dout, cache)
+        grads = tiled_backward(dout, cache, out=_direct(out, prob, (dout, *cache[:6], prob.bias)))
     else:
         xp = namespace(dout, cache.p)
-        direct = None  # the out arrays the products are formed in: not where they may overlap
-        if out and xp is np and prob.cdt == prob.dtype:  # what the backward still reads
-            read = [a for a in (dout, cache.q, cache.k, cache.v, cache.p, cache.t, cache.psink)
-                    if isinstance(a, np.ndarray)]
-            direct = {n: a for n, a in out.items() if not any(np.may_share_memory(a, r) for r in read)}
+        direct = _direct(out, prob, (dout, cache.q, cache.k, cache.v, cache.p, cache.t, cache.psink)) if xp is np else None
         grads = dense_backward(xp, xp.astype(dout, prob.cdt, copy=False), cache, out=direct)
     grads = {name: xp.astype(g, prob.dtype, copy=False) for name, g in grads.items()}
     for name, a in (out or {}).items():
@@ -159,6 +156,16 @@ def sdpa_backward(dout, cache, *, out=None) -> dict:
             np.copyto(a, grads[name])
             grads[name] = a
     return grads
+
+
+def _direct(out, prob, read: tuple) -> dict | None:
+    """The ``out`` arrays a backward may form its gradients in: those of the compute dtype
+    that share no memory with an array of ``read`` (what the backward still reads); the
+    others get the finished gradient copied in (:func:`sdpa_backward`)."""
+    if not out or prob.cdt != prob.dtype:
+        return None
+    arrays = [a for a in read if isinstance(a, np.ndarray)]
+    return {n: a for n, a in out.items() if not any(np.may_share_memory(a, r) for r in arrays)}
 
 
 def check_out(out, prob, numpy_forward: bool) -> dict | None:

@@ -593,9 +593,12 @@ def _slots(prob: Problem):
     return [pairs[s::n] for s in range(n)], True
 
 
-def tiled_backward(dout, cache: TiledCache) -> dict:
+def tiled_backward(dout, cache: TiledCache, out: dict | None = None) -> dict:
     """Closed-form gradients (A4-A10, V1-V7) recomputing P tile by tile (FA2); dOut
-    validated.  Returns the keys :func:`attngrad.sdpa_backward` documents."""
+    validated.  Returns the keys :func:`attngrad.sdpa_backward` documents.  ``out``: some
+    of "q", "k", "v" to arrays of the compute dtype and the gradients' shapes, any strides,
+    sharing no memory with what the backward reads (the caller checks): those gradients are
+    formed there (issue 13: no copy into the layer's merged-heads buffer)."""
     prob, q, k, v = cache.problem, cache.q, cache.k, cache.v
     sh = prob.shape
     B, H, Hkv, Lq, Lk, D, Dv = sh
@@ -605,10 +608,14 @@ def tiled_backward(dout, cache: TiledCache) -> dict:
     bq, bk = min(cache.tiling.block_q, max(Lq, 1)), min(cache.tiling.block_k, max(Lk, 1))
     loops = compiled_loops(prob, cache.tiling)
     # (the compiled loops' units zero their own rows of dQ, dK, dV, in parallel)
-    new = np.empty if loops is not None else np.zeros
-    dq = new((B, H, Lq, D), dtype=cdt)
-    dk = new((B, Hkv, Lk, D), dtype=cdt)
-    dv = new((B, Hkv, Lk, Dv), dtype=cdt)
+    out = out or {}
+    dq, dk, dv = (out.get(n) for n in "qkv")
+    dq = np.empty((B, H, Lq, D), dtype=cdt) if dq is None else dq
+    dk = np.empty((B, Hkv, Lk, D), dtype=cdt) if dk is None else dk
+    dv = np.empty((B, Hkv, Lk, Dv), dtype=cdt) if dv is None else dv
+    if loops is None:
+        for g in (dq, dk, dv):
+            g.fill(0)  # (the NumPy tile loop accumulates into them)
     per_head = np.zeros((B, H, 3), dtype=np.float64)  # dslope, dscale per (b, h)
     slots, own_partials = _slots(prob)
     db_shape = None if prob.bias is None else prob.bias.shape
