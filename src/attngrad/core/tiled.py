@@ -139,12 +139,11 @@ def resolve_tiles(tiling: Tiling, prob: Problem) -> Tiling:
 AUTO_TILED_SKIP_MIN_ENTRIES = 1 << 21
 # Where the compiled tile loops cover the problem (:func:`compiled_loops`), the tiled path
 # is faster than the dense one from these sizes on (fwd + bwd, float32, 2 cores, D=64;
-# `python benchmarks/auto_switch.py`, docs/performance.md).  Without a causal or window
-# rule: 2^21 logits since the ninth round (Intel Xeon, MKL, pinned workers: tiled/dense
-# 0.69 at B=4 H=8 N=256, 0.79 at B=1 H=8 N=512, 0.95 at 2^20, 1.00 at 2^19); inside the
-# multi-head layer the projections then run on the same workers (ops.matmul), so no BLAS
-# thread pool spins beside them.  With a causal or window rule: 2^19 (causal 0.84 at 2^20,
-# 0.57-0.65 at 2^21, eighth round).
+# `python benchmarks/auto_switch.py`, docs/performance.md, ninth round: tiled/dense 1.13
+# at 2^19 logits, 1.14 at 2^20, 0.65 and 0.62 at 2^21 (B=4 H=8 N=256; B=1 H=8 N=512),
+# 0.51 at 2^23; causal 0.93 at 2^19, 0.82 at 2^20, 0.47-0.51 at 2^21).  Without a causal
+# or window rule 2^21 since that round: inside the multi-head layer the projections then
+# run on the same workers (ops.matmul), so no BLAS thread pool spins beside them.
 AUTO_COMPILED_MIN_ENTRIES = 1 << 21
 AUTO_COMPILED_SKIP_MIN_ENTRIES = 1 << 19
 
