@@ -337,19 +337,21 @@ def test_projection_and_weight_gradient(dtype, rows):
 
 
 def test_the_layer_and_the_linear_layer_share_one_weight_gradient(monkeypatch):
-    """The attention layer's four weight gradients and nn.linear's are ops.weight_grad."""
+    """The attention layer's four weight gradients and nn.linear's are (F2) of
+    ops.weight_grad_product (through ops.weight_grad or ops.matmuls)."""
     import attngrad.layers.mha as mha_mod
     import attngrad.nn.linear as linear_mod
-    from attngrad.ops import weight_grad
+    import attngrad.ops as ops_mod
 
     calls = []
+    real = ops_mod.weight_grad_product
 
-    def spy(xp, x, dy, **kw):
+    def spy(xp, x, dy):
         calls.append(x.shape)
-        return weight_grad(xp, x, dy, **kw)
+        return real(xp, x, dy)
 
-    monkeypatch.setattr(mha_mod, "weight_grad", spy)
-    monkeypatch.setattr(linear_mod, "weight_grad", spy)
+    monkeypatch.setattr(mha_mod, "weight_grad_product", spy)
+    monkeypatch.setattr(ops_mod, "weight_grad_product", spy)
     params, inputs, kwargs, upstream, _ = build("self", "all", 2, 2, 4, 4, E, E, "none")
     _, cache = mha_forward(params, inputs["X"], **kwargs)
     mha_backward(upstream, cache)
@@ -371,14 +373,16 @@ def test_projections_on_the_workers_match_torch_autograd(monkeypatch, flavor, bi
     if fused.products() is None:
         pytest.skip("the compiled loops (numba) are off")
     monkeypatch.setattr(products, "MIN_FLOPS", 0)  # every product of the layer pooled
-    pooled = []
-    real = products.matmul
+    pooled = []  # per product: whether it ran on the workers
+    real = products.matmuls
 
-    def spy(a, b, out=None, **kw):
-        pooled.append(products.pooled(a, b, out, **kw))
-        return real(a, b, out, **kw)
+    def spy(jobs):
+        jobs = [products.Product(*j) for j in jobs]
+        pooled.extend(products.pooled(j.a, j.b, j.out, trans_a=j.trans_a, trans_b=j.trans_b, bias=j.bias)
+                      for j in jobs)
+        return real(jobs)
 
-    monkeypatch.setattr(products, "matmul", spy)
+    monkeypatch.setattr(products, "matmuls", spy)
     lq, lk, kdim, vdim = (4, 6, 5, 7) if flavor == "cross" else (4, 4, E, E)
     params, inputs, kwargs, upstream, allowed = build(flavor, bias, heads, kv_heads, lq, lk, kdim, vdim, "key_lengths")
     y, grads = closed_form(params, inputs, {**kwargs, "impl": "tiled"}, upstream)

@@ -125,3 +125,35 @@ def test_shape_errors_name_the_shapes(args, message):
 def test_a_bias_of_the_wrong_length_is_named():
     with pytest.raises(ValueError, match=r"bias must have shape \(2,\); got \(3,\)"):
         products.matmul(np.ones((3, 4)), np.ones((4, 2)), bias=np.ones(3))
+
+
+@compiled
+def test_several_products_in_one_hand_out_are_bitwise_each_alone(monkeypatch):
+    """matmuls: the blocks of every product on the workers in one run_units call, each C
+    bitwise what matmul gives it alone; one product the pooled path declines: each alone."""
+    monkeypatch.setattr(products, "MIN_FLOPS", 0)
+    rng = np.random.default_rng(3)
+    a, b = _operands(rng, 600, 70, 90, True, False, np.float32)
+    c, d = _operands(rng, 300, 20, 40, False, True, np.float32)
+    bias = rng.standard_normal(40).astype(np.float32)
+    out = np.empty((300, 40), np.float32)
+    jobs = [(a, b, True, False), products.Product(c, d, False, True, bias, out)]
+    calls = []
+    real = products.run_units
+
+    def spy(fn, n_units, threads, **kw):
+        calls.append(n_units)
+        return real(fn, n_units, threads, **kw)
+
+    monkeypatch.setattr(products, "run_units", spy)
+    got = products.matmuls(jobs)
+    assert calls == [3 + 2] and got[1] is out
+    np.testing.assert_array_equal(got[0], products.matmul(a, b, trans_a=True))
+    np.testing.assert_array_equal(got[1], products.matmul(c, d, trans_b=True, bias=bias))
+    calls.clear()
+    strided = np.asfortranarray(c)  # declined: every product alone, NumPy for this one
+    got = products.matmuls([(a, b, True, False), (strided, d, False, True)])
+    assert calls == [3]
+    np.testing.assert_array_equal(got[1], strided @ d.T)
+    with pytest.raises(ValueError, match=r"inner sizes differ"):
+        products.matmuls([(a, b, False, False)])

@@ -222,3 +222,87 @@ def test_tiled_backward_forms_the_gradients_in_out(monkeypatch, dtype, overlap, 
     assert seen == [formed_there]
     for name in "qkv":
         np.testing.assert_array_equal(got[name], plain[name].astype(dtype), err_msg=name)
+
+
+@pytest.mark.parametrize("impl", ["dense", "tiled"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+def test_forward_out_is_bitwise_the_plain_forward(impl, variant, dtype):
+    """sdpa_forward(out=): O written into a strided view of a merged-heads buffer, bitwise
+    the fresh result, returned as that view; nothing outside it touched; the backward the same."""
+    rng = np.random.default_rng(4)
+    q, k, v, do = _problem(rng, dtype, hkv=2)
+    kw = dict(VARIANTS[variant])
+    if kw.get("bias") == "full":
+        kw["bias"] = rng.standard_normal((2, 4, 9, 9)).astype(dtype)
+    plain, c_plain = ag.sdpa_forward(q, k, v, impl=impl, **kw)
+    B, H, L, Dv = plain.shape
+    buf = np.full((B, L, H * Dv + 3), 7.0, dtype=dtype)
+    view = buf[:, :, :H * Dv].reshape(B, L, H, Dv).transpose(0, 2, 1, 3)
+    got, cache = ag.sdpa_forward(q, k, v, impl=impl, out=view, **kw)
+    assert got is view
+    np.testing.assert_array_equal(got, plain)
+    assert np.all(buf[..., -3:] == 7.0)
+    g_plain, g = ag.sdpa_backward(do, c_plain), ag.sdpa_backward(do, cache)
+    for name in g_plain:
+        np.testing.assert_array_equal(g[name], g_plain[name], err_msg=name)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_tiled_forward_writes_o_into_out_unless_it_overlaps_an_input(monkeypatch, overlap):
+    """The compiled loops write O straight into out; an out sharing a buffer with q gets
+    O copied in after (the right values either way)."""
+    import sys
+
+    from attngrad.core import fused
+
+    sdpa_mod = sys.modules["attngrad.core.sdpa"]
+    seen = []
+    real = sdpa_mod.tiled_forward
+
+    def spy(q, k, v, prob, tiling, result=None):
+        seen.append(result is not None)
+        return real(q, k, v, prob, tiling, result=result)
+
+    monkeypatch.setattr(sdpa_mod, "tiled_forward", spy)
+    rng = np.random.default_rng(5)
+    q, k, v, _ = _problem(rng, np.float32)  # q (2, 4, 9, 8), v's Dv = 6
+    plain, _ = ag.sdpa_forward(q, k, v, impl="tiled", causal=True)
+    if overlap:
+        both = np.zeros((2, 4, 9, 14), np.float32)  # q's columns and O's side by side
+        np.copyto(both[..., :8], q)
+        q, out = both[..., :8], both[..., 8:]
+    else:
+        out = np.zeros((2, 4, 9, 6), np.float32)
+    seen.clear()
+    got, _ = ag.sdpa_forward(q, k, v, impl="tiled", causal=True, out=out)
+    assert got is out
+    np.testing.assert_array_equal(got, plain)
+    assert seen == [fused.tile_loops() is not None and not overlap]
+
+
+@pytest.mark.parametrize(("out", "error", "message"), [
+    (np.zeros((2, 4, 9, 5), np.float32), ValueError, r"out must have O's shape \(B, H, Lq, Dv\) = \(2, 4, 9, 6\); got \(2, 4, 9, 5\)"),
+    (np.zeros((2, 4, 9, 6), np.float64), TypeError, "out must have the inputs' dtype float32; got float64"),
+    ([[0.0]], TypeError, "out must be a NumPy array for NumPy inputs; got list"),
+])
+def test_bad_forward_out_is_refused(out, error, message):
+    q, k, v, _ = _problem(np.random.default_rng(6), np.float32)
+    with pytest.raises(error, match=message):
+        ag.sdpa_forward(q, k, v, out=out)
+
+
+def test_read_only_forward_out_is_refused():
+    q, k, v, _ = _problem(np.random.default_rng(6), np.float32)
+    out = np.zeros((2, 4, 9, 6), np.float32)
+    out.flags.writeable = False
+    with pytest.raises(ValueError, match="out must be writeable"):
+        ag.sdpa_forward(q, k, v, out=out)
+
+
+def test_forward_out_refused_for_torch_inputs():
+    torch = pytest.importorskip("torch")
+    q, k, v, _ = _problem(np.random.default_rng(6), np.float64)
+    tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
+    with pytest.raises(TypeError, match=r"out is for NumPy inputs; q, k, v are .* arrays"):
+        ag.sdpa_forward(tq, tk, tv, out=np.zeros((2, 4, 9, 6)))

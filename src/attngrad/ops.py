@@ -5,6 +5,7 @@
     project       Y = X W + b, X (..., in), as one 2-D GEMM                          (F1) (M1) (M4)
     weight_grad   dW = X^T dY summed over every leading axis                         (F2) (M5) (M7)
     matmul        op(A) op(B) for 2-D arrays; pool=True: large NumPy ones on the tiled path's workers
+    matmuls       several of them at once (one hand-out to those workers)
 
 Used by the attention layer (``layers/mha.py``), the affine layer (``nn/linear.py``), the
 closed-form JVPs/HVPs (``jacobian/``) and the formula catalogue (``formulas/expr.py``).
@@ -62,6 +63,15 @@ def matmul(xp, a: Array, b: Array, *, trans_a: bool = False, trans_b: bool = Fal
     return (xp.matrix_transpose(a) if trans_a else a) @ (xp.matrix_transpose(b) if trans_b else b)
 
 
+def matmuls(xp, jobs, *, pool: bool = False) -> list:
+    """:func:`matmul` of each ``(a, b, trans_a, trans_b)`` of ``jobs``, in order; with
+    ``pool`` and NumPy arrays, in one hand-out to the tiled path's workers
+    (:func:`attngrad.core.products.matmuls`: one wake-up for all of them)."""
+    if pool and all(type(j[0]) is np.ndarray for j in jobs):
+        return products.matmuls(jobs)
+    return [matmul(xp, a, b, trans_a=ta, trans_b=tb) for a, b, ta, tb in jobs]
+
+
 def project(xp, x: Array, w: Array, b: Array | None = None, *, pool: bool = False) -> Array:
     """X (..., in) @ W (in, out) + b -> (..., out), as one 2-D GEMM over all leading axes
     (faster than a batched one; ``pool`` as :func:`matmul`).  Returns a new array."""
@@ -88,11 +98,17 @@ def weight_grad(xp, x: Array, dy: Array, *, pool: bool = False) -> Array:
     than the one GEMM at every size measured ((1024, 512, 512): 9.7 vs 7.8 ms; (1088, 64,
     128): 0.51 vs 0.29 ms; (4096, 512, 512): 39 vs 29 ms), docs/performance.md.
     """
+    return matmuls(xp, [weight_grad_product(xp, x, dy)], pool=pool)[0]  # (F2) (in, out)
+
+
+def weight_grad_product(xp, x: Array, dy: Array) -> tuple:
+    """(F2) dW = X^T dY as a product for :func:`matmuls`: ``(X2, dY2, True, False)``, X
+    and dY seen as (N, in), (N, out) over all their leading axes (views, no copy)."""
     *lead, n_in = x.shape
     n, n_out = math.prod(lead), dy.shape[-1]
     x2 = xp.reshape(x, (n, n_in))  # (N, in)
     dy2 = xp.reshape(dy, (n, n_out))  # (N, out)
-    return matmul(xp, x2, dy2, trans_a=True, pool=pool)  # (F2) (in, out)
+    return x2, dy2, True, False  # (F2) X^T dY: (in, out)
 
 
 def bias_grad(xp, dy: Array) -> Array:

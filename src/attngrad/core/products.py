@@ -18,6 +18,8 @@ products of at least MIN_FLOPS; anything else is ``a @ b``.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from . import fused
@@ -54,6 +56,65 @@ def pooled(a, b, out=None, *, trans_a: bool = False, trans_b: bool = False, bias
     return 2 * m * k * n >= MIN_FLOPS and fused.products() is not None
 
 
+class Product(NamedTuple):
+    """One product for :func:`matmuls`: C = op(a) op(b) (+ bias), written to ``out`` if given."""
+
+    a: np.ndarray
+    b: np.ndarray
+    trans_a: bool = False
+    trans_b: bool = False
+    bias: np.ndarray | None = None
+    out: np.ndarray | None = None
+
+
+def _check(job: Product) -> tuple:
+    """(M, N) of a product, or ValueError naming the mismatch."""
+    a, b, trans_a, trans_b, bias, out = job
+    m, k = a.shape[::-1] if trans_a else a.shape
+    kb, n = b.shape[::-1] if trans_b else b.shape
+    if k != kb:
+        raise ValueError(f"matmul: inner sizes differ: {(m, k)} x {(kb, n)}")
+    if out is not None and out.shape != (m, n):
+        raise ValueError(f"out must have shape {(m, n)}; got {out.shape}")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"bias must have shape {(n,)}; got {bias.shape}")
+    return m, n
+
+
+def _numpy(job: Product):
+    a, b, trans_a, trans_b, bias, out = job
+    c = np.matmul(a.T if trans_a else a, b.T if trans_b else b, out=out)
+    return c if bias is None else np.add(c, bias, out=c)
+
+
+def matmuls(jobs) -> list:
+    """Every :class:`Product` of ``jobs``, as :func:`matmul` forms it (the same blocks, the
+    same bits), in one :func:`.parallel.run_units` call where :func:`pooled` takes them all:
+    their blocks handed out together, so that the workers are woken and waited for once, not
+    once per product (three (512, 1024) x (1024, 512) products: 4.9 vs 5.4 ms, issue 13).
+    Otherwise each alone.  Returns the C of each, in order."""
+    jobs = [Product(*j) for j in jobs]
+    shapes = [_check(j) for j in jobs]
+    if not all(pooled(j.a, j.b, j.out, trans_a=j.trans_a, trans_b=j.trans_b, bias=j.bias) for j in jobs):
+        return [matmul(*j[:2], j.out, trans_a=j.trans_a, trans_b=j.trans_b, bias=j.bias) for j in jobs]
+    gemm, blas = fused.products()
+    cs = [np.empty(mn, dtype=j.a.dtype) if j.out is None else j.out for j, mn in zip(jobs, shapes, strict=True)]
+    blocks = [(i, r0, min(m, r0 + CHUNK_ROWS)) for i, (m, _) in enumerate(shapes)
+              for r0 in range(0, m, CHUNK_ROWS)]  # (product, first row, end row)
+
+    def block(unit: int, worker: int) -> None:
+        i, r0, r1 = blocks[unit]
+        a, b, trans_a, trans_b, bias, _ = jobs[i]
+        rows = a[:, r0:r1] if trans_a else a[r0:r1]  # op(a)'s rows r0 .. r1 - 1
+        c = cs[i][r0:r1]  # (r1 - r0, N)
+        if bias is not None:
+            c[...] = bias  # the bias's rows, then C += op(a) op(b)
+        gemm(blas, rows, trans_a, b, trans_b, c, 1.0, 0.0 if bias is None else 1.0)
+
+    run_units(block, len(blocks), available_cores(), blas=not fused.private_blas())
+    return cs
+
+
 def matmul(a, b, out=None, *, trans_a: bool = False, trans_b: bool = False, bias=None):
     """C = op(a) op(b) (+ bias), op = the transpose where ``trans_a`` / ``trans_b`` (read
     as a flag, not copied); ``bias`` an optional (N,) row added to every row of C; ``out``
@@ -61,27 +122,8 @@ def matmul(a, b, out=None, *, trans_a: bool = False, trans_b: bool = False, bias
     Products that :func:`pooled` takes run as CHUNK_ROWS-row blocks on every core, each
     block's bias rows written first and the product added to them by the GEMM (beta = 1);
     the rest with NumPy."""
-    opa = a.T if trans_a else a  # (M, K) views
-    opb = b.T if trans_b else b  # (K, N)
-    if opa.shape[1] != opb.shape[0]:
-        raise ValueError(f"matmul: inner sizes differ: {opa.shape} x {opb.shape}")
-    if out is not None and out.shape != (opa.shape[0], opb.shape[1]):
-        raise ValueError(f"out must have shape {(opa.shape[0], opb.shape[1])}; got {out.shape}")
-    if bias is not None and bias.shape != (opb.shape[1],):
-        raise ValueError(f"bias must have shape {(opb.shape[1],)}; got {bias.shape}")
+    job = Product(a, b, trans_a, trans_b, bias, out)
+    _check(job)
     if not pooled(a, b, out, trans_a=trans_a, trans_b=trans_b, bias=bias):
-        c = np.matmul(opa, opb, out=out)
-        return c if bias is None else np.add(c, bias, out=c)
-    gemm, blas = fused.products()
-    m = opa.shape[0]
-    c = np.empty((m, opb.shape[1]), dtype=a.dtype) if out is None else out  # (M, N)
-
-    def block(unit: int, worker: int) -> None:
-        r0, r1 = unit * CHUNK_ROWS, min(m, (unit + 1) * CHUNK_ROWS)
-        rows = a[:, r0:r1] if trans_a else a[r0:r1]  # op(a)'s rows r0 .. r1 - 1
-        if bias is not None:
-            c[r0:r1] = bias  # (r1 - r0, N) rows of the bias, then C += op(a) op(b)
-        gemm(blas, rows, trans_a, b, trans_b, c[r0:r1], 1.0, 0.0 if bias is None else 1.0)
-
-    run_units(block, -(-m // CHUNK_ROWS), available_cores(), blas=not fused.private_blas())
-    return c
+        return _numpy(job)
+    return matmuls([job])[0]

@@ -67,8 +67,10 @@ def sdpa_forward(
     block_q=None,
     block_k=None,
     threads=None,
+    out=None,
 ):
-    """Attention forward.  Returns ``(out, cache)``; ``out`` is (B, H, Lq, Dv), a fresh array.
+    """Attention forward.  Returns ``(out, cache)``; ``out`` is (B, H, Lq, Dv), a fresh array
+    (or the ``out`` given).
 
     q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv); H a multiple of Hkv.
     The logits, in FlashAttention's order: S = scale Q K^T -> soft-cap -> + bias + ALiBi
@@ -89,6 +91,11 @@ def sdpa_forward(
     - impl: "dense" (keeps P, any array kind), "tiled" (O(N) memory, NumPy only; tiles of
       block_q x block_k, on ``threads`` cores, default all) or "auto" (tiled for large
       NumPy inputs, see :func:`attngrad.core.tiled.choose_impl`).
+    - out: optional writeable NumPy array (B, H, Lq, Dv) of q's dtype, any strides (a view
+      of a larger buffer, e.g. merged heads (B, Lq, H, Dv) seen as (B, H, Lq, Dv)): O is
+      written there and it is returned.  The tiled path's compiled loops write O there
+      directly (no copy) unless it may share memory with q, k, v or the bias (then, and on
+      the other paths, O is copied in, as NumPy's ``out=``).
     """
     if impl not in ("auto", "dense", "tiled"):
         raise ValueError(f"impl must be 'auto', 'dense' or 'tiled'; got {impl!r}")
@@ -106,14 +113,40 @@ def sdpa_forward(
         window=window, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
         dropout_p=dropout_p, dropout_seed=dropout_seed, scale_grad=scale_grad,
     )
+    check_forward_out(out, prob, xp)
     q, k, v = (xp.astype(t, prob.cdt, copy=False) for t in (q, k, v))
     if impl == "auto":
         impl = choose_impl(xp, prob)
     if impl == "tiled":
         if xp.__name__ != "numpy":
             raise TypeError("impl='tiled' takes NumPy arrays; use impl='dense' (or 'auto') for other kinds")
-        return tiled_forward(q, k, v, prob, tiling)
-    return dense_forward(xp, q, k, v, prob)
+        direct = None if out is None else _direct({"o": out}, prob, (q, k, v, bias))
+        o, cache = tiled_forward(q, k, v, prob, tiling, result=(direct or {}).get("o"))
+    else:
+        o, cache = dense_forward(xp, q, k, v, prob)
+    if out is not None and o is not out:
+        np.copyto(out, o)
+        o = out
+    return o, cache
+
+
+def check_forward_out(out, prob, xp) -> None:
+    """``out`` of :func:`sdpa_forward`: None, or a writeable NumPy array of O's shape and
+    the inputs' dtype (TypeError / ValueError naming it)."""
+    if out is None:
+        return
+    if xp is not np:
+        raise TypeError(f"out is for NumPy inputs; q, k, v are {xp.__name__.split('.')[-1]} arrays")
+    if not isinstance(out, np.ndarray):
+        raise TypeError(f"out must be a NumPy array for NumPy inputs; got {type(out).__name__}")
+    sh = prob.shape
+    want = (sh.batch, sh.heads, sh.lq, sh.dv)
+    if out.shape != want:
+        raise ValueError(f"out must have O's shape (B, H, Lq, Dv) = {want}; got {out.shape}")
+    if out.dtype != np.dtype(prob.dtype):
+        raise TypeError(f"out must have the inputs' dtype {dtype_name(prob.dtype)}; got {out.dtype}")
+    if not out.flags.writeable:
+        raise ValueError("out must be writeable")
 
 
 def sdpa_backward(dout, cache, *, out=None) -> dict:

@@ -395,8 +395,11 @@ def _head_args(prob: Problem, hd: Head):
     return softcap, alibi, float(hd.slope) if alibi else 0.0, prob.spec.offset
 
 
-def tiled_forward(q, k, v, prob: Problem, tiling: Tiling):
-    """Tiled forward on validated NumPy inputs (compute dtype).  Returns ``(out, cache)``."""
+def tiled_forward(q, k, v, prob: Problem, tiling: Tiling, result=None):
+    """Tiled forward on validated NumPy inputs (compute dtype).  Returns ``(out, cache)``.
+    ``result``: an array (B, H, Lq, Dv) of the compute dtype, any strides, sharing no memory
+    with what the forward reads (the caller checks): where the compiled loops run, they
+    write O there and it is returned (no copy into, e.g., the layer's merged heads)."""
     given_bk = tiling.block_k
     tiling = resolve_tiles(tiling, prob)
     sh = prob.shape
@@ -416,7 +419,9 @@ def tiled_forward(q, k, v, prob: Problem, tiling: Tiling):
     lse = np.empty((B, H, Lq), odt) if loops is not None else np.full((B, H, Lq), -np.inf, odt)  # (B, H, Lq)
     # (FA1) lse float64 too: P = e^(S - lse) in the backward then has float32's relative
     # accuracy, not |lse| ulps of it
-    res = np.empty((B, H, Lq, Dv), cdt) if loops is not None else None  # the result, O rounded
+    res = None  # the result, O rounded (the compiled loops write it)
+    if loops is not None:
+        res = np.empty((B, H, Lq, Dv), cdt) if result is None else result
     count = prob.shift_free and not (prob.spec.is_empty and Lk >= 2)
     nkeys = np.zeros((B, H, Lq), dtype=np.int64) if count else None  # allowed keys per row
     keep_scale = cdt.type(1.0 / (1.0 - prob.dropout_p))

@@ -26,7 +26,16 @@ from ..core._xp import Array, check_array, check_float_dtypes, dtype_name, names
 from ..core.sdpa import SDPACache, sdpa_backward, sdpa_forward
 from ..core.tiled import TiledCache, auto_rule
 from ..core.workspace import SEQUENTIAL, scratch
-from ..ops import bias_grad, matmul, merge_heads, project, split_heads, weight_grad
+from ..ops import (
+    bias_grad,
+    matmul,
+    matmuls,
+    merge_heads,
+    project,
+    split_heads,
+    weight_grad,
+    weight_grad_product,
+)
 from .qk_prep import NORM_WEIGHTS, QKPrepCache, check_qk_options, qk_prep_backward, qk_prep_forward
 
 WEIGHTS = ("W_q", "W_k", "W_v", "W_o")
@@ -230,14 +239,19 @@ def mha_forward(
     for name, fixed in (("sinks", sinks), ("alibi_slopes", alibi_slopes)):
         if fixed is not None and name in params:
             raise ValueError(f"{name} is both a parameter (params[{name!r}]) and an argument; pass one")
+    merged = None  # NumPy: C's buffer (B, Lq, H*Dv), the core writing O into it as (M3) lays it out
+    if xp is np:
+        B, Lq, Dv = q.shape[0], q.shape[2], v.shape[3]
+        merged = np.empty((B, Lq, H * Dv), np.result_type(q, k, v))
     o, attn = sdpa_forward(
         q, k, v, mask=mask, key_lengths=key_lengths, key_mask=key_mask, causal=causal, scale=scale,
         impl=impl, bias=bias, softcap=softcap, sinks=params.get("sinks", sinks),
         alibi_slopes=params.get("alibi_slopes", alibi_slopes), window=window,
         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, dropout_p=dropout_p,
         dropout_seed=dropout_seed, scale_grad=scale_grad,
+        out=None if merged is None else merged.reshape(B, Lq, H, Dv).transpose(0, 2, 1, 3),
     )  # (M2) (B, H, Lq, Dv)
-    c = merge_heads(xp, o)  # (M3) (B, Lq, H*Dv)
+    c = merge_heads(xp, o) if merged is None else merged  # (M3) (B, Lq, H*Dv)
     y = project(xp, c, wo, bo, pool=isinstance(attn, TiledCache))  # (M4) (B, Lq, E_out)
     cache = MHACache(dict(params), query, key_src, value_src, sources, c, attn, H, Hkv, qk)
     return y, cache
@@ -317,10 +331,13 @@ def mha_backward(dy, cache: MHACache) -> tuple[dict, dict]:
     B, Lq, E_out = dy.shape
     dy2 = xp.reshape(dy, (B * Lq, E_out))  # (B*Lq, E_out) a view: 2-D GEMMs below, never batched
     pool = isinstance(cache.attn, TiledCache)  # the core ran on the workers: so do the GEMMs
-    grads["W_o"] = weight_grad(xp, cache.context, dy2, pool=pool)  # (M5) dW_o = C^T dY
+    grads["W_o"], dc = matmuls(xp, [
+        weight_grad_product(xp, cache.context, dy2),  # (M5) dW_o = C^T dY
+        (dy2, p["W_o"], False, True),  # (M5) dC = dY W_o^T  (B*Lq, H*Dv)
+    ], pool=pool)
     if "b_o" in p:
         grads["b_o"] = bias_grad(xp, dy2)  # (M5) db_o = sum dY
-    dc = xp.reshape(matmul(xp, dy2, p["W_o"], trans_b=True, pool=pool), (B, Lq, -1))  # (M5) dC = dY W_o^T  (B, Lq, H*Dv)
+    dc = xp.reshape(dc, (B, Lq, -1))  # (B, Lq, H*Dv)
     arrays = {"query": cache.query, "key": cache.key, "value": cache.value}
     roles_of = {}  # source -> the projections it fed, in q, k, v order
     for role, src in zip("qkv", cache.sources, strict=True):
@@ -422,16 +439,17 @@ def _projections_backward(xp, x, dheads, names, p, merged=None, pool=False) -> t
         # columns summed alone, so bitwise the per-projection sums, at a quarter of the time
         # of three passes over strided column blocks)
         sums = bias_grad(xp, d2) if any(bname in p for _, bname in names) else None  # (sum widths,)
-        off = 0
-        for (wname, bname), w in zip(names, widths, strict=True):
-            grads[wname] = weight_grad(xp, x2, d2[:, off:off + w], pool=pool)  # (M7) dW = X^T dQ (in, w)
-            if bname in p:
-                grads[bname] = sums[off:off + w].copy()  # (M7) (w,) its own array, not a view
-            off += w
+        offs = np.cumsum([0, *widths])
         ws = [p[wname] for wname, _ in names]
-        w_cat = scratch("mha.wcat", (n_in, off), np.result_type(*ws))  # (in, sum widths) a temporary
+        w_cat = scratch("mha.wcat", (n_in, offs[-1]), np.result_type(*ws))  # (in, sum widths) a temporary
         w_cat = np.concatenate(ws, axis=1, out=w_cat)
-        dx = matmul(xp, d2, w_cat, trans_b=True, pool=pool)  # (M8) (M9) (B*L, in): dQ W_q^T + dK W_k^T + dV W_v^T
+        jobs = [weight_grad_product(xp, x2, d2[:, offs[i]:offs[i + 1]])  # (M7) dW = X^T dQ (in, w)
+                for i in range(len(names))]
+        *dws, dx = matmuls(xp, [*jobs, (d2, w_cat, False, True)], pool=pool)  # (M8) (M9) (B*L, in): dQ W_q^T + dK W_k^T + dV W_v^T
+        for i, ((wname, bname), dw) in enumerate(zip(names, dws, strict=True)):
+            grads[wname] = dw
+            if bname in p:
+                grads[bname] = sums[offs[i]:offs[i + 1]].copy()  # (M7) (w,) its own array, not a view
         return xp.reshape(dx, (B, L, n_in)), grads
     dx = None
     for d, (wname, bname) in zip(dheads, names, strict=True):
