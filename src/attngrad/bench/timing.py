@@ -46,13 +46,13 @@ def time_round_robin(
     """Seconds of each timed call of each step: ``warmup`` untimed rounds, then ``rounds``.
     ``primers``: each step's primer kind (:func:`.contenders.primer`), default by name."""
     kinds = primers or {}
-    primers = {name: _primer(kinds.get(name) or primer(name)) for name in steps}
+    wake = {name: _primer(kinds.get(name) or primer(name)) for name in steps}
     times: dict[str, list[float]] = {name: [] for name in steps}
     for r in range(warmup + rounds):
         for name, step in steps.items():
             gc.collect()
             time.sleep(settle)
-            primers[name]()
+            wake[name]()
             t0 = time.perf_counter()
             step()
             dt = time.perf_counter() - t0

@@ -111,6 +111,7 @@ def _kernels():
 
 
 _LOOPS = None  # (fwd_head, bwd_head, blas) of :mod:`._tiled_kernels`, False when unavailable
+_PRIVATE = False  # whether _LOOPS' BLAS is not NumPy's (MKL's sequential layer)
 
 
 def tile_loops():
@@ -118,7 +119,7 @@ def tile_loops():
     with ``blas`` = (sgemm address, dgemm address, ilp64) of the BLAS that :mod:`._blas`
     picks (MKL where its wheel is installed, else NumPy's own; ``ATTNGRAD_BLAS``), or None
     when numba is missing, ``ATTNGRAD_NO_NUMBA`` is set or no CBLAS is found."""
-    global _LOOPS
+    global _LOOPS, _PRIVATE
     if not enabled():
         return None
     if _LOOPS is None:
@@ -131,25 +132,15 @@ def tile_loops():
             from . import _tiled_kernels as t
 
             _LOOPS = (t.fwd_head, t.bwd_head, (found.sgemm, found.dgemm, found.ilp64))
+            _PRIVATE = found.name != "numpy"
     return _LOOPS or None
-
-
-_PRIVATE = None  # whether tile_loops' BLAS is not NumPy's (MKL's sequential layer)
 
 
 def private_blas() -> bool:
     """Whether the compiled loops' products run on a BLAS of their own, single-threaded
     (MKL's sequential layer, :mod:`._blas`), not NumPy's: then their units make no call
     into NumPy's BLAS and :func:`.parallel.run_units` need not limit its threads."""
-    global _PRIVATE
-    if tile_loops() is None:
-        return False
-    if _PRIVATE is None:
-        from ._blas import cblas_gemm
-
-        found = cblas_gemm()
-        _PRIVATE = found is not None and found.name != "numpy"
-    return _PRIVATE
+    return tile_loops() is not None and _PRIVATE
 
 
 _PRODUCTS = None  # (gemm, blas) of :mod:`._tiled_kernels`, False when unavailable

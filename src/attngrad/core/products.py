@@ -95,8 +95,9 @@ def matmuls(jobs) -> list:
     Otherwise each alone.  Returns the C of each, in order."""
     jobs = [Product(*j) for j in jobs]
     shapes = [_check(j) for j in jobs]
-    if not all(pooled(j.a, j.b, j.out, trans_a=j.trans_a, trans_b=j.trans_b, bias=j.bias) for j in jobs):
-        return [matmul(*j[:2], j.out, trans_a=j.trans_a, trans_b=j.trans_b, bias=j.bias) for j in jobs]
+    takes = [pooled(j.a, j.b, j.out, trans_a=j.trans_a, trans_b=j.trans_b, bias=j.bias) for j in jobs]
+    if not all(takes):  # each alone: on the workers where pooled takes it, else NumPy
+        return [matmuls([j])[0] if t else _numpy(j) for j, t in zip(jobs, takes, strict=True)]
     gemm, blas = fused.products()
     cs = [np.empty(mn, dtype=j.a.dtype) if j.out is None else j.out for j, mn in zip(jobs, shapes, strict=True)]
     blocks = [(i, r0, min(m, r0 + CHUNK_ROWS)) for i, (m, _) in enumerate(shapes)
@@ -122,8 +123,4 @@ def matmul(a, b, out=None, *, trans_a: bool = False, trans_b: bool = False, bias
     Products that :func:`pooled` takes run as CHUNK_ROWS-row blocks on every core, each
     block's bias rows written first and the product added to them by the GEMM (beta = 1);
     the rest with NumPy."""
-    job = Product(a, b, trans_a, trans_b, bias, out)
-    _check(job)
-    if not pooled(a, b, out, trans_a=trans_a, trans_b=trans_b, bias=bias):
-        return _numpy(job)
-    return matmuls([job])[0]
+    return matmuls([Product(a, b, trans_a, trans_b, bias, out)])[0]

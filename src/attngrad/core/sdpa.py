@@ -178,7 +178,8 @@ def sdpa_backward(dout, cache, *, out=None) -> dict:
         if type(dout).__module__.split(".")[0] != "numpy":
             raise TypeError(f"dout must be a NumPy array for the tiled path; got {type(dout).__name__}")
         xp = namespace(dout)
-        grads = tiled_backward(dout, cache, out=_direct(out, prob, (dout, *cache[:6], prob.bias)))
+        read = (dout, cache.q, cache.k, cache.v, cache.out, cache.lse, cache.flat, prob.bias)
+        grads = tiled_backward(dout, cache, out=_direct(out, prob, read))
     else:
         xp = namespace(dout, cache.p)
         direct = _direct(out, prob, (dout, cache.q, cache.k, cache.v, cache.p, cache.t, cache.psink)) if xp is np else None

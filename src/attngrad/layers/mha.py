@@ -261,17 +261,22 @@ def _project_merged(x, ws, bs) -> tuple:
     """(M1) for the three projections of one NumPy input X (B, L, E): one GEMM against the
     weights side by side, X [W_q W_k W_v] + [b_q b_k b_v] (one pass over X, one dispatch
     to the workers, issue 13), the result's column blocks returned as views (B, L, width)."""
-    n_in = x.shape[2]
     widths = [w.shape[1] for w in ws]
     dtype = np.result_type(*ws)
-    w_cat = scratch("mha.wcat", (n_in, sum(widths)), dtype)  # (E, sum widths) a temporary
-    w_cat = np.concatenate(ws, axis=1, out=w_cat)
+    w_cat = _weights_side_by_side(ws)  # (E, sum widths)
     b_cat = None
     if any(b is not None for b in bs):
         b_cat = np.concatenate([np.zeros(w, dtype) if b is None else b for b, w in zip(bs, widths, strict=True)])
     y = project(np, x, w_cat, b_cat, pool=True)  # (M1) (B, L, sum widths)
     offs = np.cumsum([0, *widths])
     return tuple(y[:, :, offs[i]:offs[i + 1]] for i in range(3))
+
+
+def _weights_side_by_side(ws) -> np.ndarray:
+    """[W_1 W_2 ...] (in, sum of widths) for weights (in, width_i): a temporary in this
+    thread's scratch buffer, valid until the next call."""
+    w_cat = scratch("mha.wcat", (ws[0].shape[0], sum(w.shape[1] for w in ws)), np.result_type(*ws))
+    return np.concatenate(ws, axis=1, out=w_cat)
 
 
 def core_on_pool(xp, impl, batch: int, heads: int, lq: int, lk: int, *, causal, window,
@@ -440,9 +445,7 @@ def _projections_backward(xp, x, dheads, names, p, merged=None, pool=False) -> t
         # of three passes over strided column blocks)
         sums = bias_grad(xp, d2) if any(bname in p for _, bname in names) else None  # (sum widths,)
         offs = np.cumsum([0, *widths])
-        ws = [p[wname] for wname, _ in names]
-        w_cat = scratch("mha.wcat", (n_in, offs[-1]), np.result_type(*ws))  # (in, sum widths) a temporary
-        w_cat = np.concatenate(ws, axis=1, out=w_cat)
+        w_cat = _weights_side_by_side([p[wname] for wname, _ in names])  # (in, sum widths)
         jobs = [weight_grad_product(xp, x2, d2[:, offs[i]:offs[i + 1]])  # (M7) dW = X^T dQ (in, w)
                 for i in range(len(names))]
         *dws, dx = matmuls(xp, [*jobs, (d2, w_cat, False, True)], pool=pool)  # (M8) (M9) (B*L, in): dQ W_q^T + dK W_k^T + dV W_v^T
