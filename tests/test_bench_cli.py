@@ -156,11 +156,42 @@ def test_the_primer_leaves_blas_asleep_for_contenders_on_the_tiled_workers(monke
     layer = Case(batch=4, heads=8, n=256, d=512, dtype="float32", causal=False, kind="layer")
     small = layer._replace(batch=1, n=64)
     compiled = fused.tile_loops() is not None
-    assert contenders.primer("attngrad_tiled") == "numpy_serial"
-    assert contenders.primer("attngrad_mha_tiled", small) == "numpy_serial"
-    assert contenders.primer("attngrad_mha", layer) == ("numpy_serial" if compiled else "numpy")
+    assert contenders.primer("attngrad_tiled") == "workers"
+    assert contenders.primer("attngrad_mha_tiled", small) == "workers"
+    assert contenders.primer("attngrad_mha", layer) == ("workers" if compiled else "numpy")
     assert contenders.primer("attngrad_mha", small) == "numpy"
     assert contenders.primer("attngrad_dense") == contenders.primer("attngrad_mha_dense", layer) == "numpy"
     assert contenders.primer("torch_mha", layer) == "torch"
     monkeypatch.setattr(fused, "tile_loops", lambda: None)
     assert contenders.primer("attngrad_mha", layer) == "numpy"
+
+
+def test_the_workers_primer_runs_a_gemm_on_every_worker_without_numpys_blas(monkeypatch):
+    """The "workers" primer: one small GEMM per worker through the compiled loops' BLAS
+    (the BLAS the tiled path's products call), NumPy's BLAS thread count untouched; without
+    those loops, a NumPy GEMM on one BLAS thread."""
+    from attngrad.bench import timing
+    from attngrad.core import fused, parallel
+
+    calls = []
+    real = parallel.run_units
+
+    def spy(work, n, threads, **kw):
+        calls.append((n, threads, kw))
+        return real(work, n, threads, **kw)
+
+    monkeypatch.setattr(parallel, "run_units", spy)
+    found = fused.products()
+    timing._primer("workers")()
+    if found is None:
+        assert calls == []
+    else:
+        n = parallel.available_cores()
+        assert calls == [(n, n, {"blas": False})]
+    calls.clear()
+    limits = []
+    real_limit = parallel.blas_threads
+    monkeypatch.setattr(fused, "products", lambda: None)
+    monkeypatch.setattr(parallel, "blas_threads", lambda n: limits.append(n) or real_limit(n))
+    timing._primer("workers")()
+    assert calls == [] and limits == [1]

@@ -430,3 +430,58 @@ def test_column_sums_are_einsums_float64_sums(dtype, monkeypatch):
     monkeypatch.setenv("ATTNGRAD_NO_NUMBA", "1")
     off = bias_grad(np, dy)
     assert on.dtype == off.dtype == dtype and on.tobytes() == off.tobytes()
+
+
+@needs_numba
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_row_dots_are_float64_sums_of_exact_products(dtype):
+    """(A6) fused.row_dots: sum_j a_ij b_ij in float64 for float32/float64 rows of any
+    strides: for float32 bitwise its 8-partial order (each product exact in float64; for
+    float64 a product may be fused into its add), and within float64 rounding of math.fsum
+    of the products."""
+    import math
+
+    rng = np.random.default_rng(8)
+    big = (rng.standard_normal((50, 70)) * 10.0 ** rng.integers(-3, 4, (50, 70))).astype(dtype)
+    other = rng.standard_normal((50, 70)).astype(dtype)
+    for a, b in ((big, other), (big[::2, 3:40], other[1::2, :37]), (big.T[:9, :20], other[:9, 30:50]), (big[:0], other[:0])):
+        got = fused.row_dots(a, b)
+        assert got.dtype == np.float64 and got.shape == (a.shape[0],)
+        for i in range(a.shape[0]):
+            prods = a[i].astype(np.float64) * b[i].astype(np.float64)
+            part = [0.0] * 8
+            for j, x in enumerate(prods):
+                part[j % 8] += x
+            want = 0.0
+            for x in part:
+                want += x
+            if dtype == np.float32:
+                assert got[i] == want
+            exact = math.fsum(prods)
+            assert abs(got[i] - exact) <= 1e-14 * math.fsum(np.abs(prods))
+
+
+@pytest.mark.parametrize("use_fused", [True, False])
+def test_float32_delta_is_summed_in_float64_whatever_o_is_kept_in(use_fused, monkeypatch):
+    """The compiled tiled forward keeps O rounded to float32 (O(bq) float64 scratch while
+    summing), the NumPy tile loop O in float64; (A6) delta = rowsum(dO * O) is a float64 sum
+    either way, equal to the float64 sum of the kept values; the kept O is the returned O
+    bitwise, in an array of its own."""
+    from attngrad.core.tiled import preprocess_delta
+
+    if use_fused and fused.tile_loops() is None:
+        pytest.skip("the compiled tile loops need numba and a CBLAS")
+    if not use_fused:
+        monkeypatch.setenv(fused.ENV_DISABLE, "1")
+    rng = np.random.default_rng(3)
+    q, k, v, do = (rng.standard_normal((1, 2, 96, 16)).astype(np.float32) for _ in range(4))
+    o, cache = ag.sdpa_forward(q, k, v, impl="tiled", causal=True, block_q=32, block_k=32)
+    assert cache.out.dtype == (np.float32 if use_fused else np.float64)
+    assert not np.shares_memory(o, cache.out)
+    if use_fused:
+        assert o.tobytes() == cache.out.tobytes()
+    for h in range(2):
+        got = preprocess_delta(do[0, h], cache.out[0, h])
+        want = np.einsum("ij,ij->i", do[0, h].astype(np.float64), cache.out[0, h].astype(np.float64))
+        assert got.dtype == np.float64
+        np.testing.assert_allclose(got, want, rtol=1e-13, atol=1e-13)

@@ -417,3 +417,34 @@ def test_the_layers_guess_of_the_core_path_is_the_cores_choice(batch, causal, ex
     assert guess == isinstance(cache.attn, TiledCache)
     assert core_on_pool(np, "tiled", 1, 1, 1, 1, causal=False, window=None, plain=True)
     assert not core_on_pool(np, "dense", batch, heads, length, length, causal=False, window=None, plain=True)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_attention_cache_keeps_the_layers_merged_heads_as_its_o(dtype):
+    """Where the compiled tile loops write O into the layer's merged heads C, the attention
+    cache keeps C's buffer as its O (no second copy; the layer never writes C again); a
+    plain sdpa_forward(out=...) keeps a copy of its own, which writing into ``out`` leaves
+    alone; and the layer's gradients equal those of a layer whose core runs densely."""
+    import attngrad as ag
+    from attngrad.core import fused
+
+    rng = np.random.default_rng(4)
+    params = {n: p.astype(dtype) for n, p in init_mha_params(16, 4, bias=True, rng=rng).items()}
+    x = rng.standard_normal((2, 40, 16)).astype(dtype)
+    dy = rng.standard_normal((2, 40, 16)).astype(dtype)
+    y, cache = mha_forward(params, x, num_heads=4, impl="tiled", causal=True)
+    compiled = fused.tile_loops() is not None
+    assert np.shares_memory(cache.attn.out, cache.context) == compiled
+    grads = mha_backward(dy, cache)
+    y_ref, cache_ref = mha_forward(params, x, num_heads=4, impl="dense", causal=True)
+    grads_ref = mha_backward(dy, cache_ref)
+    tol = 1e-10 if dtype == np.float64 else 1e-4
+    np.testing.assert_allclose(y, y_ref, rtol=tol, atol=tol)
+    for part, part_ref in zip(grads, grads_ref, strict=True):
+        for name in part_ref:
+            np.testing.assert_allclose(part[name], part_ref[name], rtol=tol, atol=tol)
+
+    q, k, v = (rng.standard_normal((1, 2, 40, 8)).astype(dtype) for _ in range(3))
+    buf = np.empty((1, 2, 40, 8), dtype)
+    o, c = ag.sdpa_forward(q, k, v, impl="tiled", out=buf)
+    assert o is buf and not np.shares_memory(c.out, buf)

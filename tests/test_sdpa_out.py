@@ -261,9 +261,10 @@ def test_tiled_forward_writes_o_into_out_unless_it_overlaps_an_input(monkeypatch
     seen = []
     real = sdpa_mod.tiled_forward
 
-    def spy(q, k, v, prob, tiling, result=None):
+    def spy(q, k, v, prob, tiling, result=None, keep_result=False):
         seen.append(result is not None)
-        return real(q, k, v, prob, tiling, result=result)
+        assert keep_result is False  # only the layer lets the cache keep its C
+        return real(q, k, v, prob, tiling, result=result, keep_result=keep_result)
 
     monkeypatch.setattr(sdpa_mod, "tiled_forward", spy)
     rng = np.random.default_rng(5)

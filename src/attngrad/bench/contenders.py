@@ -169,19 +169,20 @@ def library(name: str) -> str:
 
 def primer(name: str, case: Case | None = None) -> str:
     """How the harness wakes a contender's threads before a timed call: "torch" (a small
-    torch GEMM), "numpy" (a NumPy GEMM on BLAS's own threads) or "numpy_serial" (a NumPy
-    GEMM on one BLAS thread) for the contenders that run on the tiled path's workers,
-    whose products run single-threaded: attngrad_tiled, attngrad_mha_tiled, and
+    torch GEMM), "numpy" (a NumPy GEMM on BLAS's own threads) or "workers" (a small GEMM on
+    each of the tiled path's workers through its compiled loops' BLAS, single-threaded;
+    a NumPy GEMM on one BLAS thread, "numpy_serial", without those loops) for the
+    contenders that run on the tiled path's workers: attngrad_tiled, attngrad_mha_tiled, and
     attngrad_mha where its attention runs tiled at ``case``'s shape (its projections then
     run on those workers too, :func:`attngrad.layers.mha.core_on_pool`).  Waking BLAS's
     pool would leave its threads spinning on the cores those workers need
     (docs/performance.md)."""
     if name in ("attngrad_tiled", "attngrad_mha_tiled"):
-        return "numpy_serial"
+        return "workers"
     if name == "attngrad_mha" and case is not None and core_on_pool(
         np, "auto", case.batch, case.heads, case.n, case.n, causal=case.causal, window=None, plain=True,
     ):
-        return "numpy_serial"
+        return "workers"
     return library(name)
 
 

@@ -5,9 +5,11 @@ Idle thread pools go to sleep (OpenBLAS after ~0.1 s of spinning, OpenMP likewis
 first call after that pays to wake them, while a pool still spinning from the previous
 contender slows the next one.  So before each timed call the harness waits ``settle``
 seconds (the previous library's threads stop spinning) and then primes the contender's own
-library with a small GEMM (its threads are awake), which is not timed: on BLAS's threads
-for the dense path, on one BLAS thread for the tiled path, whose Python workers each run
-BLAS single-threaded (a woken BLAS pool would spin on their cores for ~0.1 s).
+library with a small GEMM (its threads are awake), which is not timed: torch's GEMM on
+torch's threads, as torch's own kernels run it; for the dense path on BLAS's threads; for
+the tiled path on each of its Python workers, through the BLAS its compiled loops call,
+single-threaded, as the loops call it (without those loops, a NumPy GEMM on one BLAS
+thread: a woken BLAS pool would spin on the workers' cores for ~0.1 s).
 """
 
 from __future__ import annotations
@@ -28,6 +30,22 @@ def _primer(kind: str) -> Callable[[], None]:
         a = torch.ones(256, 256)
         return lambda: a @ a
     a = np.ones((256, 256), dtype=np.float32)
+    if kind == "workers":
+        from ..core.fused import products
+        from ..core.parallel import available_cores, run_units
+
+        found = products()
+        if found is not None:
+            gemm, blas = found
+            n = available_cores()
+            pairs = [(np.ones((64, 64), np.float32), np.empty((64, 64), np.float32)) for _ in range(n)]
+
+            def unit(u: int, worker: int) -> None:
+                x, c = pairs[u]
+                gemm(blas, x, False, x, False, c, 1.0, 0.0)
+
+            return lambda: run_units(unit, n, n, blas=False)
+        kind = "numpy_serial"  # no compiled loops: their workers run NumPy's BLAS on one thread
     if kind == "numpy_serial":
         from ..core.parallel import blas_threads
 

@@ -300,6 +300,23 @@ def column_sums(a, out):
 
 
 @_jit
+def row_dots(a, b, out):
+    """(A6) out_i <- sum_j a_ij b_ij in float64 (each product exact there: float32 values
+    have 24-bit significands), over 8 partials in a fixed order; a, b (n, m) float32 or
+    float64, any strides; out (n,) float64."""
+    n, m = a.shape
+    for i in range(n):
+        ra, rb = a[i], b[i]
+        part = np.zeros(8)
+        for j in range(m):
+            part[j % 8] += np.float64(ra[j]) * np.float64(rb[j])
+        t = 0.0
+        for p in range(8):
+            t += part[p]
+        out[i] = t
+
+
+@_jit
 def softmax_rows(s, r0, r1):
     """(A2) rows [r0, r1) of s (rows, n) in place: P = e^(S - m) / sum, m the row max
     (0 for a row with nothing allowed: all -inf gives P = 0)."""

@@ -140,15 +140,17 @@ def _mask_row(row, a, z, fill):
 
 
 @_jit
-def fwd_head(blas, q, k, v, out, lse, res, scale, bq, bk, lo, hi, softcap, alibi, slope, offset,
-             has_sink, sink, s_buf, pv_buf, m, l, rescale):
+def fwd_head(blas, q, k, v, keep, lse, res, scale, bq, bk, lo, hi, softcap, alibi, slope, offset,
+             has_sink, sink, s_buf, pv_buf, acc, m, l, rescale):
     """Forward of one query head (FA1, FA3; A1-A3, V1, V2, V4), tile by tile.
 
-    q (Lq, D), k (Lk, D), v (Lk, Dv) in the compute dtype; ``out`` (Lq, Dv), float64 for
-    float32 work (any contents on entry; written: O); ``lse`` (Lq,) like out (written, -inf
-    for a row with nothing to attend and no sink); ``res`` (Lq, Dv) in the compute dtype
-    (written: O rounded to it, the caller's result); lo, hi (Lq,) int64: row i attends keys
-    lo[i]..hi[i].  Scratch: s_buf (bq*bk,), pv_buf (bq*Dv,) compute dtype; m, l, rescale (bq,)."""
+    q (Lq, D), k (Lk, D), v (Lk, Dv) in the compute dtype; ``keep`` and ``res`` (Lq, Dv) in
+    the compute dtype (any contents on entry; both written: O rounded to it, the cache's
+    copy and the caller's result); ``lse`` (Lq,) float64 for float32 work (written, -inf
+    for a row with nothing to attend and no sink); lo, hi (Lq,) int64: row i attends keys
+    lo[i]..hi[i].  Scratch: s_buf (bq*bk,), pv_buf (bq*Dv,) compute dtype; ``acc`` (bq, Dv)
+    like lse, one query tile's O while its key tiles are summed (O(bq) memory: a full-size
+    float64 O would double the bytes the forward writes, issue 13); m, l, rescale (bq,)."""
     Lq, Lk, Dv = q.shape[0], k.shape[0], v.shape[1]
     neg = narrow(m[0], -np.inf)
     zero = narrow(m[0], 0.0)
@@ -158,7 +160,7 @@ def fwd_head(blas, q, k, v, out, lse, res, scale, bq, bk, lo, hi, softcap, alibi
             m[i] = narrow(m[0], sink) if has_sink else neg
             l[i] = narrow(m[0], 1.0) if has_sink else zero
             for d in range(Dv):
-                out[q0 + i, d] = 0.0
+                acc[i, d] = 0.0
         for k0 in range(0, Lk, bk):
             k1 = min(k0 + bk, Lk)
             r0, r1, c0, c1 = _tile_span(lo, hi, q0, q1, k0, k1)
@@ -178,19 +180,21 @@ def fwd_head(blas, q, k, v, out, lse, res, scale, bq, bk, lo, hi, softcap, alibi
             gemm(blas, s, False, v[c0:c1], False, pv, 1.0, 0.0)  # (A3) e^(S - m') V
             for i in range(nr):
                 a = rescale[i]
+                ii = r0 - q0 + i
                 for d in range(Dv):
-                    out[r0 + i, d] = out[r0 + i, d] * a + pv[i, d]
+                    acc[ii, d] = acc[ii, d] * a + pv[i, d]
         for i in range(q1 - q0):
             gi = q0 + i
             if l[i] > zero:
                 inv = l[i]
                 for d in range(Dv):
-                    o = out[gi, d] / inv  # (A3) O = acc / l
-                    out[gi, d] = o
+                    o = narrow(res[gi, d], acc[i, d] / inv)  # (A3) O = acc / l, rounded once
+                    keep[gi, d] = o
                     res[gi, d] = o
                 lse[gi] = m[i] + math.log(np.float64(l[i]))  # (FA1)
             else:
                 for d in range(Dv):
+                    keep[gi, d] = 0.0
                     res[gi, d] = 0.0
                 lse[gi] = -np.inf
 

@@ -106,6 +106,7 @@ def _kernels():
                 "softmax_rows": k.softmax_rows,
                 "dsoftmax_rows": k.dsoftmax_rows,
                 "column_sums": k.column_sums,
+                "row_dots": k.row_dots,
             }
     return _KERNELS or None
 
@@ -203,6 +204,15 @@ def column_sums(a):
     quarter of the time at (1024, 512))."""
     out = np.empty(a.shape[1], dtype=np.float64)
     kernels()["column_sums"](a, out)
+    return out
+
+
+def row_dots(a, b):
+    """(A6) the float64 sums ``sum_j a_ij b_ij`` of two 2-D NumPy arrays of one shape
+    (float32 or float64, any strides): float64 products of the values, 8 partials in a
+    fixed order.  Returns (n,) float64."""
+    out = np.empty(a.shape[0], dtype=np.float64)
+    kernels()["row_dots"](a, b, out)
     return out
 
 

@@ -68,6 +68,7 @@ def sdpa_forward(
     block_k=None,
     threads=None,
     out=None,
+    _keep_out=False,
 ):
     """Attention forward.  Returns ``(out, cache)``; ``out`` is (B, H, Lq, Dv), a fresh array
     (or the ``out`` given).
@@ -96,6 +97,10 @@ def sdpa_forward(
       written there and it is returned.  The tiled path's compiled loops write O there
       directly (no copy) unless it may share memory with q, k, v or the bias (then, and on
       the other paths, O is copied in, as NumPy's ``out=``).
+
+    (``_keep_out``, for attngrad's own layer only: the tiled cache keeps ``out`` itself as
+    its O where O was written there directly; the caller then writes nothing into ``out``
+    before the backward.)
     """
     if impl not in ("auto", "dense", "tiled"):
         raise ValueError(f"impl must be 'auto', 'dense' or 'tiled'; got {impl!r}")
@@ -121,7 +126,7 @@ def sdpa_forward(
         if xp.__name__ != "numpy":
             raise TypeError("impl='tiled' takes NumPy arrays; use impl='dense' (or 'auto') for other kinds")
         direct = None if out is None else _direct({"o": out}, prob, (q, k, v, bias))
-        o, cache = tiled_forward(q, k, v, prob, tiling, result=(direct or {}).get("o"))
+        o, cache = tiled_forward(q, k, v, prob, tiling, result=(direct or {}).get("o"), keep_result=_keep_out)
     else:
         o, cache = dense_forward(xp, q, k, v, prob)
     if out is not None and o is not out:

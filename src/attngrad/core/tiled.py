@@ -395,11 +395,14 @@ def _head_args(prob: Problem, hd: Head):
     return softcap, alibi, float(hd.slope) if alibi else 0.0, prob.spec.offset
 
 
-def tiled_forward(q, k, v, prob: Problem, tiling: Tiling, result=None):
+def tiled_forward(q, k, v, prob: Problem, tiling: Tiling, result=None, keep_result=False):
     """Tiled forward on validated NumPy inputs (compute dtype).  Returns ``(out, cache)``.
     ``result``: an array (B, H, Lq, Dv) of the compute dtype, any strides, sharing no memory
     with what the forward reads (the caller checks): where the compiled loops run, they
-    write O there and it is returned (no copy into, e.g., the layer's merged heads)."""
+    write O there and it is returned (no copy into, e.g., the layer's merged heads).
+    ``keep_result``: the cache keeps ``result`` itself as its O, not a copy of its own (for
+    a caller that owns ``result`` and writes nothing into it before the backward: the
+    layer, whose merged heads C its own backward needs too)."""
     given_bk = tiling.block_k
     tiling = resolve_tiles(tiling, prob)
     sh = prob.shape
@@ -411,17 +414,22 @@ def tiled_forward(q, k, v, prob: Problem, tiling: Tiling, result=None):
     bk_fwd = given_bk or (DEFAULT_BLOCK_K_FORWARD if loops is not None else tiling.block_k)
     bq, bk = min(tiling.block_q, max(Lq, 1)), min(bk_fwd, max(Lk, 1))
     cdt = q.dtype
-    # O accumulates in float64 for float32 work (O(N) memory): delta = rowsum(dO * O) (A6)
-    # then cancels against dP as closely as the dense path's rowsum(P * dP) (RELIABILITY 24).
-    # (The compiled loops write every row of out, lse and their result res, in parallel.)
+    # O accumulates in float64 for float32 work: the NumPy loop in ``out`` (B, H, Lq, Dv),
+    # which the cache keeps; the compiled loops one query tile at a time in a worker's
+    # scratch, the cache keeping O rounded to the compute dtype (as FlashAttention keeps
+    # its output): (A6) delta = rowsum(dO * O) is summed in float64 either way
+    # (:func:`preprocess_delta`).  (The compiled loops write every row of out, lse and their
+    # result res, in parallel.)
     odt = np.float64 if cdt == np.float32 else cdt
-    out = np.empty((B, H, Lq, Dv), odt) if loops is not None else np.zeros((B, H, Lq, Dv), odt)  # (B, H, Lq, Dv)
-    lse = np.empty((B, H, Lq), odt) if loops is not None else np.full((B, H, Lq), -np.inf, odt)  # (B, H, Lq)
-    # (FA1) lse float64 too: P = e^(S - lse) in the backward then has float32's relative
-    # accuracy, not |lse| ulps of it
     res = None  # the result, O rounded (the compiled loops write it)
     if loops is not None:
         res = np.empty((B, H, Lq, Dv), cdt) if result is None else result
+        out = res if keep_result and result is not None else np.empty((B, H, Lq, Dv), cdt)  # (B, H, Lq, Dv)
+    else:
+        out = np.zeros((B, H, Lq, Dv), odt)  # (B, H, Lq, Dv)
+    lse = np.empty((B, H, Lq), odt) if loops is not None else np.full((B, H, Lq), -np.inf, odt)  # (B, H, Lq)
+    # (FA1) lse float64 too: P = e^(S - lse) in the backward then has float32's relative
+    # accuracy, not |lse| ulps of it
     count = prob.shift_free and not (prob.spec.is_empty and Lk >= 2)
     nkeys = np.zeros((B, H, Lq), dtype=np.int64) if count else None  # allowed keys per row
     keep_scale = cdt.type(1.0 / (1.0 - prob.dropout_p))
@@ -435,8 +443,8 @@ def tiled_forward(q, k, v, prob: Problem, tiling: Tiling, result=None):
 
     def work_compiled(b: int, h: int, r0: int, r1: int, worker: int) -> None:
         if worker not in scratch:
-            scratch[worker] = worker_scratch(cdt, bq * bk, bq * Dv, bq, bq, bq)
-        s_buf, pv_buf, m, l, rescale = scratch[worker]
+            scratch[worker] = (*worker_scratch(cdt, bq * bk, bq * Dv, bq, bq, bq), worker_scratch(odt, bq * Dv)[0])
+        s_buf, pv_buf, m, l, rescale, acc = scratch[worker]
         hd = _head(prob, b, h)
         lo, hi = _interval(loops, b)
         softcap, alibi, slope, offset = _head_args(prob, hd)
@@ -444,7 +452,8 @@ def tiled_forward(q, k, v, prob: Problem, tiling: Tiling, result=None):
                   np.ascontiguousarray(v[b, h // G]), out[b, h, r0:r1], lse[b, h, r0:r1], res[b, h, r0:r1],
                   prob.scale,
                   bq, bk, lo[r0:r1], hi[r0:r1], softcap, alibi, slope, offset + r0,  # row i of the span is r0 + i
-                  hd.sink is not None, 0.0 if hd.sink is None else float(hd.sink), s_buf, pv_buf, m, l, rescale)
+                  hd.sink is not None, 0.0 if hd.sink is None else float(hd.sink), s_buf, pv_buf,
+                  acc.reshape(bq, Dv), m, l, rescale)
 
     def work(unit: int, worker: int) -> None:
         if loops is not None:
@@ -507,8 +516,14 @@ def tiled_forward(q, k, v, prob: Problem, tiling: Tiling, result=None):
 
 
 def preprocess_delta(do, out):
-    """(A6) delta = rowsum(dO * O): (..., Lq) for dO, O (..., Lq, Dv); float64 when O is
-    (the float32 path keeps O in float64)."""
+    """(A6) delta = rowsum(dO * O): (..., Lq) for dO, O (..., Lq, Dv), summed in float64
+    for float32 work whether O is kept in float64 (the NumPy tile loop) or rounded to
+    float32 (the compiled loops): then delta cancels against dP as closely as the dense
+    path's rowsum(P * dP) (RELIABILITY 24)."""
+    if out.dtype == np.float32 and do.ndim == 2 and fused.enabled():
+        return fused.row_dots(do, out)  # (A6) float64 sums without casting copies
+    if out.dtype == np.float32:
+        return np.einsum("...ij,...ij->...i", do, out, dtype=np.float64)
     return np.einsum("...ij,...ij->...i", do, out)
 
 

@@ -250,6 +250,7 @@ def mha_forward(
         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, dropout_p=dropout_p,
         dropout_seed=dropout_seed, scale_grad=scale_grad,
         out=None if merged is None else merged.reshape(B, Lq, H, Dv).transpose(0, 2, 1, 3),
+        _keep_out=True,  # the attention cache keeps C's buffer as its O: the layer never writes it again
     )  # (M2) (B, H, Lq, Dv)
     c = merge_heads(xp, o) if merged is None else merged  # (M3) (B, Lq, H*Dv)
     y = project(xp, c, wo, bo, pool=isinstance(attn, TiledCache))  # (M4) (B, Lq, E_out)
