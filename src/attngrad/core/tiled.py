@@ -80,15 +80,16 @@ class TiledCache(NamedTuple):
     """What :func:`tiled_backward` needs.
 
     Memory: O(N).  q, k, v are the inputs by reference (cast only for half precision);
-    ``out`` is the path's own buffer (the caller gets a copy), plus lse (B*H*Lq values)
+    ``out`` is O in the path's own buffer (the caller's result is another array; only the
+    layer lets the cache keep its merged heads, ``keep_result``), plus lse (B*H*Lq values)
     and, where some row has fewer than two keys, one flag per row.
     """
 
     q: Array  # (B, H, Lq, D)      compute dtype
     k: Array  # (B, Hkv, Lk, D)
     v: Array  # (B, Hkv, Lk, Dv)
-    out: Array  # (B, H, Lq, Dv)    float64 (for float32 work) or the compute dtype
-    lse: Array  # (B, H, Lq)        (FA1), -inf where a row attends nothing; float64 like out
+    out: Array  # (B, H, Lq, Dv)    the compute dtype (compiled loops) or float64 for float32 work (NumPy loop)
+    lse: Array  # (B, H, Lq)        (FA1), -inf where a row attends nothing; float64 for float32 work
     flat: Array | None  # (B, H, Lq) bool: rows with a constant softmax (< 2 keys, no sink)
     problem: Problem
     tiling: Tiling
