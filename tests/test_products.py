@@ -157,3 +157,59 @@ def test_several_products_in_one_hand_out_are_bitwise_each_alone(monkeypatch):
     np.testing.assert_array_equal(got[1], strided @ d.T)
     with pytest.raises(ValueError, match=r"inner sizes differ"):
         products.matmuls([(a, b, False, False)])
+
+
+@pytest.mark.parametrize("pool", [True, False])
+def test_products_added_to_one_out_sum_in_order(monkeypatch, pool):
+    """Product(add=True) after the product forming its out: C = A1 B1 + A2 B2^T + A3 B3 in
+    one hand-out (pooled: within float32 rounding of the float64 sum, bitwise the same for
+    1 and 3 workers; declined: NumPy's in-place sums), strided operands and out; the dW
+    products beside it unchanged."""
+    monkeypatch.setattr(products, "MIN_FLOPS", 0 if pool else 1 << 62)
+    rng = np.random.default_rng(12)
+    m, n = 600, 40
+    buf = rng.standard_normal((m, 90)).astype(np.float32)
+    a1, a2, a3 = buf[:, :30], buf[:, 30:50], buf[:, 50:90]  # column blocks of one buffer (strided rows)
+    b1 = rng.standard_normal((30, n)).astype(np.float32)
+    b2 = rng.standard_normal((n, 20)).astype(np.float32)
+    b3 = rng.standard_normal((40, n)).astype(np.float32)
+    x = rng.standard_normal((m, 7)).astype(np.float32)
+
+    def run():
+        out = np.full((m, 2 * n), np.nan, np.float32)[:, ::2]  # strided, garbage to overwrite
+        jobs = [(x, a1, True, False), products.Product(a1, b1, out=out),
+                products.Product(a2, b2, trans_b=True, out=out, add=True),
+                products.Product(a3, b3, out=out, add=True)]
+        cs = products.matmuls(jobs)
+        assert cs[1] is cs[2] is cs[3] is out
+        return cs[0], out
+
+    dw, c = run()
+    want = _reference(a1, b1, False, False) + _reference(a2, b2, False, True) + _reference(a3, b3, False, False)
+    assert np.max(np.abs(c - want)) <= 1e-5 * np.max(np.abs(want))
+    assert np.max(np.abs(dw - _reference(x, a1, True, False))) <= 1e-5 * np.max(np.abs(dw))
+    if pool:
+        for threads in (1, 3):
+            monkeypatch.setattr(products, "available_cores", lambda t=threads: t)
+            again = run()
+            assert again[0].tobytes() == dw.tobytes() and np.array_equal(again[1], c)
+            assert again[1].tobytes() == np.ascontiguousarray(c).tobytes()
+
+
+def test_a_product_added_to_out_needs_its_out_formed_before_it():
+    """add=True without out, with a bias, or adding to memory another group writes: a
+    ValueError saying what add needs."""
+    a = np.ones((4, 3), np.float32)
+    b = np.ones((3, 2), np.float32)
+    out = np.zeros((4, 2), np.float32)
+    with pytest.raises(ValueError, match="add=True needs out"):
+        products.matmuls([products.Product(a, b, add=True)])
+    with pytest.raises(ValueError, match="add=True needs out"):
+        products.matmuls([products.Product(a, b, out=out, bias=np.ones(2, np.float32), add=True)])
+    other = np.zeros((4, 2), np.float32)
+    with pytest.raises(ValueError, match="must follow the product that forms its out"):
+        products.matmuls([products.Product(a, b, out=out), products.Product(a, b, out=other),
+                          products.Product(a, b, out=out, add=True)])
+    # alone, it adds to what out holds
+    got = products.matmuls([products.Product(a, b, out=out.copy() + 1, add=True)])[0]
+    np.testing.assert_array_equal(got, np.full((4, 2), 4.0, np.float32))

@@ -57,7 +57,8 @@ def pooled(a, b, out=None, *, trans_a: bool = False, trans_b: bool = False, bias
 
 
 class Product(NamedTuple):
-    """One product for :func:`matmuls`: C = op(a) op(b) (+ bias), written to ``out`` if given."""
+    """One product for :func:`matmuls`: C = op(a) op(b) (+ bias), written to ``out`` if
+    given; with ``add``, C is added to ``out`` (given, no bias) instead."""
 
     a: np.ndarray
     b: np.ndarray
@@ -65,11 +66,14 @@ class Product(NamedTuple):
     trans_b: bool = False
     bias: np.ndarray | None = None
     out: np.ndarray | None = None
+    add: bool = False
 
 
 def _check(job: Product) -> tuple:
     """(M, N) of a product, or ValueError naming the mismatch."""
-    a, b, trans_a, trans_b, bias, out = job
+    a, b, trans_a, trans_b, bias, out, add = job
+    if add and (out is None or bias is not None):
+        raise ValueError("a product with add=True needs out (the array it adds to) and no bias")
     m, k = a.shape[::-1] if trans_a else a.shape
     kb, n = b.shape[::-1] if trans_b else b.shape
     if k != kb:
@@ -82,9 +86,26 @@ def _check(job: Product) -> tuple:
 
 
 def _numpy(job: Product):
-    a, b, trans_a, trans_b, bias, out = job
+    a, b, trans_a, trans_b, bias, out, add = job
+    if add:
+        return np.add(out, np.matmul(a.T if trans_a else a, b.T if trans_b else b), out=out)
     c = np.matmul(a.T if trans_a else a, b.T if trans_b else b, out=out)
     return c if bias is None else np.add(c, bias, out=c)
+
+
+def _groups(jobs: list) -> list:
+    """The jobs' indices in groups that run in order on each block of rows: a product with
+    add=True joins the group before it where it adds to that group's very ``out``; another
+    group must not write memory that it adds to (ValueError)."""
+    groups = []
+    for i, j in enumerate(jobs):
+        if j.add and groups and jobs[groups[-1][0]].out is j.out:
+            groups[-1].append(i)
+            continue
+        if j.add and any(jobs[g[0]].out is not None and np.may_share_memory(jobs[g[0]].out, j.out) for g in groups):
+            raise ValueError("a product with add=True must follow the product that forms its out")
+        groups.append([i])
+    return groups
 
 
 def matmuls(jobs) -> list:
@@ -92,25 +113,30 @@ def matmuls(jobs) -> list:
     same bits), in one :func:`.parallel.run_units` call where :func:`pooled` takes them all:
     their blocks handed out together, so that the workers are woken and waited for once, not
     once per product (three (512, 1024) x (1024, 512) products: 4.9 vs 5.4 ms, issue 13).
-    Otherwise each alone.  Returns the C of each, in order."""
+    Otherwise each alone.  A product with ``add`` that follows the product forming its
+    ``out`` runs after it on each block of rows (a sum of products in one hand-out: the
+    layer's dX = dQ W_q^T + dK W_k^T + dV W_v^T without concatenating the weights).
+    Returns the C of each, in order."""
     jobs = [Product(*j) for j in jobs]
     shapes = [_check(j) for j in jobs]
+    groups = _groups(jobs)
     takes = [pooled(j.a, j.b, j.out, trans_a=j.trans_a, trans_b=j.trans_b, bias=j.bias) for j in jobs]
-    if not all(takes):  # each alone: on the workers where pooled takes it, else NumPy
+    if not all(takes):  # each alone, in order: on the workers where pooled takes it, else NumPy
         return [matmuls([j])[0] if t else _numpy(j) for j, t in zip(jobs, takes, strict=True)]
     gemm, blas = fused.products()
     cs = [np.empty(mn, dtype=j.a.dtype) if j.out is None else j.out for j, mn in zip(jobs, shapes, strict=True)]
-    blocks = [(i, r0, min(m, r0 + CHUNK_ROWS)) for i, (m, _) in enumerate(shapes)
-              for r0 in range(0, m, CHUNK_ROWS)]  # (product, first row, end row)
+    blocks = [(g, r0, min(shapes[g[0]][0], r0 + CHUNK_ROWS)) for g in groups
+              for r0 in range(0, shapes[g[0]][0], CHUNK_ROWS)]  # (products, first row, end row)
 
     def block(unit: int, worker: int) -> None:
-        i, r0, r1 = blocks[unit]
-        a, b, trans_a, trans_b, bias, _ = jobs[i]
-        rows = a[:, r0:r1] if trans_a else a[r0:r1]  # op(a)'s rows r0 .. r1 - 1
-        c = cs[i][r0:r1]  # (r1 - r0, N)
-        if bias is not None:
-            c[...] = bias  # the bias's rows, then C += op(a) op(b)
-        gemm(blas, rows, trans_a, b, trans_b, c, 1.0, 0.0 if bias is None else 1.0)
+        group, r0, r1 = blocks[unit]
+        for i in group:
+            a, b, trans_a, trans_b, bias, _, add = jobs[i]
+            rows = a[:, r0:r1] if trans_a else a[r0:r1]  # op(a)'s rows r0 .. r1 - 1
+            c = cs[i][r0:r1]  # (r1 - r0, N)
+            if bias is not None:
+                c[...] = bias  # the bias's rows, then C += op(a) op(b)
+            gemm(blas, rows, trans_a, b, trans_b, c, 1.0, 1.0 if add or bias is not None else 0.0)
 
     run_units(block, len(blocks), available_cores(), blas=not fused.private_blas())
     return cs
