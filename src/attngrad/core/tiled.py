@@ -667,16 +667,14 @@ def tiled_backward(dout, cache: TiledCache, out: dict | None = None) -> dict:
     parts_lock = threading.Lock()
 
     def dq_share(part: int, b: int, hk: int):
-        """Where span ``part`` of pair (b, hk) accumulates dQ: (G, Lq, D), zeros."""
+        """Where span ``part`` of pair (b, hk) forms dQ: (G, Lq, D), any contents (the
+        compiled loop writes every row; any other span's share is added to span 0's only
+        once that is done)."""
         if part == 0:
-            target = dq[b, hk * G:(hk + 1) * G]
-            target.fill(0)  # (before any other span's share is added: that waits for this one)
-            return target
+            return dq[b, hk * G:(hk + 1) * G]
         with parts_lock:
             buf = spare.pop() if spare else None
-        buf = np.empty((G, Lq, D), dtype=cdt) if buf is None else buf
-        buf.fill(0)
-        return buf
+        return np.empty((G, Lq, D), dtype=cdt) if buf is None else buf
 
     def finish_pair(part: int, b: int, hk: int, target) -> None:
         with parts_lock:
@@ -690,7 +688,7 @@ def tiled_backward(dout, cache: TiledCache, out: dict | None = None) -> dict:
         with parts_lock:
             spare.extend(mine[p] for p in range(1, len(spans)))
 
-    def head_compiled(b, h, hk, kh, vh, part, dq_h, worker) -> None:
+    def head_compiled(b, h, hk, kh, vh, part, dq_h, worker, zero_kv) -> None:
         if worker not in scratch:
             n = bq * bk
             scratch[worker] = worker_scratch(cdt, n, n, n if prob.softcap is not None else 0, key="tiled.backward")
@@ -703,8 +701,8 @@ def tiled_backward(dout, cache: TiledCache, out: dict | None = None) -> dict:
         shares[part, b, h] = loops.bwd(
             loops.blas, np.ascontiguousarray(q[b, h]), kh, vh, do, cache.lse[b, h],
             delta, dq_h, dk[b, hk, k0:k1], dv[b, hk, k0:k1], prob.scale,
-            bq, bk, lo, hi, *_head_args(prob, hd), prob.shift_free, flat, k0, Lk,
-            *scratch[worker])  # dq scaled (A8)
+            bq, bk, lo, hi, *_head_args(prob, hd), prob.shift_free, flat, k0, Lk, zero_kv,
+            *scratch[worker])  # dq written, scaled (A8); dK, dV accumulated, dK scaled (A9)
         if prob.sinks is not None and part == 0:
             _sink_grad(per_head, b, h, hd.sink, cache.lse[b, h], delta)
 
@@ -713,12 +711,9 @@ def tiled_backward(dout, cache: TiledCache, out: dict | None = None) -> dict:
         b, hk = divmod(pair, Hkv)
         k0, k1 = spans[part]
         kh, vh = np.ascontiguousarray(k[b, hk, k0:k1]), np.ascontiguousarray(v[b, hk, k0:k1])
-        dk[b, hk, k0:k1].fill(0)  # this unit's rows of dK, dV (A4, A9 accumulate into them)
-        dv[b, hk, k0:k1].fill(0)
         target = dq_share(part, b, hk)  # (G, Lq, D)
-        for g, h in enumerate(range(hk * G, (hk + 1) * G)):
-            head_compiled(b, h, hk, kh, vh, part, target[g], worker)
-        dk[b, hk, k0:k1] *= prob.scale  # (A9)
+        for g, h in enumerate(range(hk * G, (hk + 1) * G)):  # the first head zeroes this unit's dK, dV rows
+            head_compiled(b, h, hk, kh, vh, part, target[g], worker, g == 0)
         if len(spans) > 1:
             finish_pair(part, b, hk, target)
 
