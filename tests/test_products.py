@@ -213,3 +213,38 @@ def test_a_product_added_to_out_needs_its_out_formed_before_it():
     # alone, it adds to what out holds
     got = products.matmuls([products.Product(a, b, out=out.copy() + 1, add=True)])[0]
     np.testing.assert_array_equal(got, np.full((4, 2), 4.0, np.float32))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize(("trans_a", "trans_b"), [(False, False), (True, False), (False, True)])
+def test_small_products_run_as_one_call_of_the_private_blas(dtype, trans_a, trans_b, monkeypatch):
+    """products.serial: op(a) op(b) below SERIAL_MAX_FLOPS as one call of the compiled
+    loops' own BLAS where that is not NumPy's (MKL), within float rounding of the float64
+    product and bitwise the same whatever NumPy's BLAS thread count; None (NumPy's turn)
+    for larger products, other dtypes or array kinds, a mismatch, an empty inner size, or
+    without a private BLAS.  ops.matmul takes it."""
+    from attngrad import ops
+    from attngrad.core.parallel import blas_threads
+
+    rng = np.random.default_rng(3)
+    a, b = _operands(rng, 300, 40, 70, trans_a, trans_b, dtype)
+    got = products.serial(a, b, trans_a=trans_a, trans_b=trans_b)
+    if not fused.private_blas():
+        assert got is None
+        return
+    want = _reference(a, b, trans_a, trans_b)
+    tol = 1e-5 if dtype == np.float32 else 1e-13
+    assert got.dtype == dtype and got.shape == (300, 70)
+    assert np.max(np.abs(got - want)) <= tol * np.max(np.abs(want))
+    with blas_threads(1):
+        again = products.serial(a, b, trans_a=trans_a, trans_b=trans_b)
+    assert again.tobytes() == got.tobytes()
+    assert ops.matmul(np, a, b, trans_a=trans_a, trans_b=trans_b).tobytes() == got.tobytes()
+    assert products.serial(a.astype(np.float16), b.astype(np.float16), trans_a=trans_a, trans_b=trans_b) is None
+    assert products.serial(np.ones((3, 0), dtype), np.ones((0, 2), dtype)) is None
+    assert products.serial(a, b[:-1] if not trans_b else b[:, :-1], trans_a=trans_a, trans_b=trans_b) is None
+    monkeypatch.setattr(products, "SERIAL_MAX_FLOPS", 2 * 300 * 40 * 70)
+    assert products.serial(a, b, trans_a=trans_a, trans_b=trans_b) is None
+    monkeypatch.setattr(fused, "private_blas", lambda: False)
+    monkeypatch.setattr(products, "SERIAL_MAX_FLOPS", 1 << 40)
+    assert products.serial(a, b, trans_a=trans_a, trans_b=trans_b) is None

@@ -57,9 +57,15 @@ def matmul(xp, a: Array, b: Array, *, trans_a: bool = False, trans_b: bool = Fal
     """op(A) op(B) for 2-D A, B, op = the transpose where asked (a flag, not a copy), with
     ``@``; with ``pool``, large NumPy products run on the tiled path's workers instead
     (:func:`attngrad.core.products.matmul`), for callers whose attention runs there too
-    (no BLAS thread pool left spinning beside those workers).  Returns a new array."""
-    if pool and type(a) is np.ndarray:
-        return products.matmul(a, b, trans_a=trans_a, trans_b=trans_b)
+    (no BLAS thread pool left spinning beside those workers); without, small NumPy ones
+    run as one call of MKL's sequential layer where the ``mkl`` extra is installed
+    (:func:`attngrad.core.products.serial`).  Returns a new array."""
+    if type(a) is np.ndarray:
+        if pool:
+            return products.matmul(a, b, trans_a=trans_a, trans_b=trans_b)
+        c = products.serial(a, b, trans_a=trans_a, trans_b=trans_b)  # small: one MKL call, where installed
+        if c is not None:
+            return c
     return (xp.matrix_transpose(a) if trans_a else a) @ (xp.matrix_transpose(b) if trans_b else b)
 
 

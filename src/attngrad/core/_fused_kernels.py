@@ -300,6 +300,96 @@ def column_sums(a, out):
 
 
 @_jit
+def _sum8(a, c, b, mode):
+    """A float64 sum over one row in 8 partials (j mod 8, in order; then added in a fixed
+    tree): mode 0: sum a_j; 1: sum (a_j - c)^2; 2: sum a_j b_j (values widened to float64)."""
+    n = a.shape[0]
+    n8 = n - n % 8
+    p0 = p1 = p2 = p3 = p4 = p5 = p6 = p7 = 0.0
+    if mode == 0:
+        for j in range(0, n8, 8):
+            p0 += np.float64(a[j])
+            p1 += np.float64(a[j + 1])
+            p2 += np.float64(a[j + 2])
+            p3 += np.float64(a[j + 3])
+            p4 += np.float64(a[j + 4])
+            p5 += np.float64(a[j + 5])
+            p6 += np.float64(a[j + 6])
+            p7 += np.float64(a[j + 7])
+    elif mode == 1:
+        for j in range(0, n8, 8):
+            x0, x1, x2, x3 = np.float64(a[j]) - c, np.float64(a[j + 1]) - c, np.float64(a[j + 2]) - c, np.float64(a[j + 3]) - c
+            x4, x5, x6, x7 = np.float64(a[j + 4]) - c, np.float64(a[j + 5]) - c, np.float64(a[j + 6]) - c, np.float64(a[j + 7]) - c
+            p0 += x0 * x0
+            p1 += x1 * x1
+            p2 += x2 * x2
+            p3 += x3 * x3
+            p4 += x4 * x4
+            p5 += x5 * x5
+            p6 += x6 * x6
+            p7 += x7 * x7
+    else:
+        for j in range(0, n8, 8):
+            p0 += np.float64(a[j]) * np.float64(b[j])
+            p1 += np.float64(a[j + 1]) * np.float64(b[j + 1])
+            p2 += np.float64(a[j + 2]) * np.float64(b[j + 2])
+            p3 += np.float64(a[j + 3]) * np.float64(b[j + 3])
+            p4 += np.float64(a[j + 4]) * np.float64(b[j + 4])
+            p5 += np.float64(a[j + 5]) * np.float64(b[j + 5])
+            p6 += np.float64(a[j + 6]) * np.float64(b[j + 6])
+            p7 += np.float64(a[j + 7]) * np.float64(b[j + 7])
+    tail = 0.0  # the last n mod 8 values, in order
+    for j in range(n8, n):
+        x = np.float64(a[j])
+        if mode == 1:
+            x = (x - c) * (x - c)
+        elif mode == 2:
+            x = x * np.float64(b[j])
+        tail += x
+    return (((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))) + tail
+
+
+@_jit
+def layernorm_rows(x, g, b, eps, y, xhat, rstd):
+    """(N1)-(N4) row by row: mu, var summed in float64 over the row (two passes: no
+    cancellation; :func:`_sum8`), rstd = 1 / sqrt(var + eps) rounded to x's dtype,
+    xhat = (x - mu) rstd, y = g xhat + b.  x, y, xhat (N, E); g, b (E,); rstd (N,); all of
+    x's dtype."""
+    n, e = x.shape
+    for i in range(n):
+        row = x[i]
+        mu = _sum8(row, 0.0, row, 0) / e  # (N1)
+        r = narrow(row[0], 1.0 / math.sqrt(_sum8(row, mu, row, 1) / e + eps))  # (N2)
+        rstd[i] = r
+        mu_x = narrow(row[0], mu)
+        xr, yr = xhat[i], y[i]
+        for j in range(e):
+            h = (row[j] - mu_x) * r  # (N3)
+            xr[j] = h
+            yr[j] = g[j] * h + b[j]  # (N4)
+
+
+@_jit
+def layernorm_grad_rows(dy, xhat, rstd, g, dx, dg, db, d_row):
+    """(N5), (N6) row by row: dx = rstd (dxhat - mean(dxhat) - xhat mean(dxhat xhat)),
+    dxhat = dy g, the two means summed in float64 (:func:`_sum8`); dg += dy xhat and
+    db += dy, float64 (E,) accumulators, rows added in order.  dy, xhat, dx (N, E); g (E,);
+    rstd (N,); ``d_row`` (E,) scratch of dy's dtype."""
+    n, e = dy.shape
+    for i in range(n):
+        dr, hr, out = dy[i], xhat[i], dx[i]
+        for j in range(e):
+            d_row[j] = dr[j] * g[j]  # dxhat, in the row's dtype
+            dg[j] += np.float64(dr[j]) * np.float64(hr[j])  # (N5)
+            db[j] += np.float64(dr[j])
+        m1 = narrow(dr[0], _sum8(d_row, 0.0, d_row, 0) / e)
+        m2 = narrow(dr[0], _sum8(d_row, 0.0, hr, 2) / e)
+        r = rstd[i]
+        for j in range(e):
+            out[j] = r * (d_row[j] - m1 - hr[j] * m2)  # (N6)
+
+
+@_jit
 def row_dots(a, b, out):
     """(A6) out_i <- sum_j a_ij b_ij in float64 (each product exact there: float32 values
     have 24-bit significands), over 8 partials in a fixed order; a, b (n, m) float32 or

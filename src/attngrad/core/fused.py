@@ -107,6 +107,8 @@ def _kernels():
                 "dsoftmax_rows": k.dsoftmax_rows,
                 "column_sums": k.column_sums,
                 "row_dots": k.row_dots,
+                "layernorm_rows": k.layernorm_rows,
+                "layernorm_grad_rows": k.layernorm_grad_rows,
             }
     return _KERNELS or None
 

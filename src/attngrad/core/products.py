@@ -142,6 +142,31 @@ def matmuls(jobs) -> list:
     return cs
 
 
+SERIAL_MAX_FLOPS = 1 << 25  # 2 M K N below this: one thread (~0.17 ms here), where a threaded BLAS gains little
+
+
+def serial(a, b, *, trans_a: bool = False, trans_b: bool = False):
+    """op(a) op(b) as one call of the compiled loops' own BLAS on the calling thread (MKL's
+    sequential layer, :func:`.fused.private_blas`), for NumPy float32/float64 products of
+    fewer than SERIAL_MAX_FLOPS, or None where that does not apply (no private BLAS, other
+    operands, larger products: the caller uses NumPy).  The choice depends on the operands
+    alone, never on a thread count.  Single-threaded at the training step's sizes, MKL took
+    0.75-0.80x OpenBLAS's time here ((1088, 64) x (64, 128): 89.5 vs 111.6 us; X^T dY
+    (64, 1088) x (1088, 64): 42.7 vs 61.2 us; issue 13)."""
+    if type(a) is not np.ndarray or type(b) is not np.ndarray or a.ndim != 2 or b.ndim != 2:
+        return None
+    if a.dtype not in _DTYPES or b.dtype != a.dtype or not (_rows(a) and _rows(b)):
+        return None
+    m, k = a.shape[::-1] if trans_a else a.shape
+    kb, n = b.shape[::-1] if trans_b else b.shape
+    if k != kb or k == 0 or 2 * m * k * n >= SERIAL_MAX_FLOPS or not fused.private_blas():
+        return None  # (a mismatch: NumPy names it)
+    gemm, blas = fused.products()
+    c = np.empty((m, n), dtype=a.dtype)
+    gemm(blas, a, trans_a, b, trans_b, c, 1.0, 0.0)
+    return c
+
+
 def matmul(a, b, out=None, *, trans_a: bool = False, trans_b: bool = False, bias=None):
     """C = op(a) op(b) (+ bias), op = the transpose where ``trans_a`` / ``trans_b`` (read
     as a flag, not copied); ``bias`` an optional (N,) row added to every row of C; ``out``

@@ -15,6 +15,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..core import fused
+
 
 class LayerNormCache(NamedTuple):
     """What :func:`layernorm_backward` needs.  Memory: xhat (same size as x) and rstd (B, L, 1)."""
@@ -42,8 +44,30 @@ def _lead_sum(a, b=None):
     return np.einsum("ij->j", a2) if b is None else np.einsum("ij,ij->j", a2, b.reshape(a2.shape))
 
 
+_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def _compiled(*arrays) -> bool:
+    """The compiled row kernels take these NumPy arrays: one float dtype, fused kernels on."""
+    if not all(type(a) is np.ndarray for a in arrays):
+        return False
+    dt = arrays[0].dtype
+    return dt in _FLOATS and all(a.dtype == dt for a in arrays) and arrays[0].size > 0 and fused.enabled()
+
+
 def layernorm_forward(params, x, *, eps: float = 1e-5):
-    """params {"g": (E,), "b": (E,)}, X (..., E) -> (Y (..., E), cache)."""
+    """params {"g": (E,), "b": (E,)}, X (..., E) -> (Y (..., E), cache).  NumPy float32 /
+    float64 with the ``fast`` extra: one compiled pass per row (the means in float64),
+    else the NumPy steps below (the reference the tests hold it to)."""
+    g, b = params["g"], params["b"]
+    if _compiled(x, g, b):
+        e = x.shape[-1]
+        x2 = np.ascontiguousarray(x).reshape(-1, e)  # (N, E)
+        y, xhat = np.empty(x2.shape, x.dtype), np.empty(x2.shape, x.dtype)
+        rstd = np.empty(x2.shape[0], x.dtype)
+        fused.kernels()["layernorm_rows"](x2, g, b, float(eps), y, xhat, rstd)  # (N1)-(N4)
+        lead = x.shape[:-1]
+        return y.reshape(x.shape), LayerNormCache(xhat.reshape(x.shape), rstd.reshape(*lead, 1), g)
     n = x.shape[-1]
     mu = _row_sum(x)
     mu /= n  # (N1) (..., 1)
@@ -60,8 +84,18 @@ def layernorm_forward(params, x, *, eps: float = 1e-5):
 
 
 def layernorm_backward(dy, cache: LayerNormCache):
-    """dY (..., E) -> (dX (..., E), {"g": dg, "b": db})."""
+    """dY (..., E) -> (dX (..., E), {"g": dg, "b": db}).  Compiled as the forward (dg, db
+    summed in float64), else the NumPy steps below."""
     xhat, rstd = cache.xhat, cache.rstd
+    if _compiled(dy, xhat, rstd, cache.g) and dy.shape == xhat.shape:
+        e = dy.shape[-1]
+        dy2 = np.ascontiguousarray(dy).reshape(-1, e)  # (N, E)
+        dx = np.empty(dy2.shape, dy.dtype)
+        dg, db = np.zeros(e), np.zeros(e)  # (N5) float64 accumulators
+        fused.kernels()["layernorm_grad_rows"](dy2, np.ascontiguousarray(xhat).reshape(-1, e),
+                                               np.ascontiguousarray(rstd).reshape(-1), cache.g, dx, dg, db,
+                                               np.empty(e, dy.dtype))
+        return dx.reshape(dy.shape), {"g": dg.astype(dy.dtype), "b": db.astype(dy.dtype)}
     n = dy.shape[-1]
     grads = {"g": _lead_sum(dy, xhat), "b": _lead_sum(dy)}  # (N5) (E,)
     dx = dy * cache.g  # (N6) dxhat (..., E)
