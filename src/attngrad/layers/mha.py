@@ -425,11 +425,14 @@ def _projections_backward(xp, x, dheads, names, p, merged=None, pool=False) -> t
 
     NumPy with several projections (self-attention: Q, K, V; cross-attention: K, V): the
     merged heads lie side by side in one (B*L, sum of widths) buffer (written there by the
-    attention core, or copied in), so dX is one GEMM against the concatenated weights,
-    summing the paths inside the GEMM (issue 13: B*L=1088, E=64, float32, one thread: 0.30
-    vs 0.35 ms for the three dX GEMMs and their sum); dW stays one ops call per weight, on
-    column views of the buffer, and the biases' db one column sum over the whole buffer.
-    Otherwise one projection at a time, dX accumulated.
+    attention core, or copied in).  On the workers (``pool``) dX is the three products
+    added in order on each block of rows, in the hand-out of the dW (no concatenated
+    weights: that copy took 0.3-0.9 ms per call at E = 512, issue 13); otherwise one GEMM
+    against the concatenated weights, summing the paths inside the GEMM (issue 13:
+    B*L=1088, E=64, float32, one thread: 0.30 vs 0.35 ms for the three dX GEMMs and their
+    sum).  dW stays one product per weight, on column views of the buffer, and the biases'
+    db one column sum over the whole buffer.  Otherwise one projection at a time, dX
+    accumulated.
     """
     B, L, n_in = x.shape
     x2 = xp.reshape(x, (B * L, n_in))  # (B*L, in)
