@@ -25,6 +25,19 @@ def _reference(a, b, trans_a, trans_b, bias=None):
     return c if bias is None else c + bias
 
 
+def _count_hand_outs(monkeypatch) -> list:
+    """The unit count of every run_units call products makes from here on."""
+    counts = []
+    real = parallel.run_units
+
+    def spy(fn, n_units, threads, **kw):
+        counts.append(n_units)
+        return real(fn, n_units, threads, **kw)
+
+    monkeypatch.setattr(products, "run_units", spy)
+    return counts
+
+
 @compiled
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize(("trans_a", "trans_b"), [(False, False), (True, False), (False, True), (True, True)])
@@ -66,14 +79,7 @@ def test_pooled_product_is_bitwise_the_same_for_any_worker_count_and_placement(m
 @compiled
 def test_pooled_product_writes_out_and_runs_on_the_workers(monkeypatch):
     monkeypatch.setattr(products, "MIN_FLOPS", 0)
-    seen = []
-    real = parallel.run_units
-
-    def spy(fn, n_units, threads, **kw):
-        seen.append(n_units)
-        return real(fn, n_units, threads, **kw)
-
-    monkeypatch.setattr(products, "run_units", spy)
+    seen = _count_hand_outs(monkeypatch)
     rng = np.random.default_rng(1)
     a, b = _operands(rng, 700, 40, 30, False, False, np.float32)
     out = np.full((700, 30), np.nan, dtype=np.float32)
@@ -138,14 +144,7 @@ def test_several_products_in_one_hand_out_are_bitwise_each_alone(monkeypatch):
     bias = rng.standard_normal(40).astype(np.float32)
     out = np.empty((300, 40), np.float32)
     jobs = [(a, b, True, False), products.Product(c, d, False, True, bias, out)]
-    calls = []
-    real = products.run_units
-
-    def spy(fn, n_units, threads, **kw):
-        calls.append(n_units)
-        return real(fn, n_units, threads, **kw)
-
-    monkeypatch.setattr(products, "run_units", spy)
+    calls = _count_hand_outs(monkeypatch)
     got = products.matmuls(jobs)
     assert calls == [3 + 2] and got[1] is out
     np.testing.assert_array_equal(got[0], products.matmul(a, b, trans_a=True))

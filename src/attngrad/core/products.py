@@ -39,13 +39,18 @@ def _rows(x) -> bool:
     return inner and outer
 
 
-def pooled(a, b, out=None, *, trans_a: bool = False, trans_b: bool = False, bias=None) -> bool:
-    """Whether :func:`matmul` runs op(a) op(b) (+ bias) on the workers (else NumPy)."""
+def _blas_operands(a, b) -> bool:
+    """a, b are 2-D NumPy arrays of one float dtype whose rows CBLAS reads as they lie."""
     if type(a) is not np.ndarray or type(b) is not np.ndarray or a.ndim != 2 or b.ndim != 2:
         return False
-    if bias is not None and (type(bias) is not np.ndarray or bias.dtype != a.dtype or bias.ndim != 1):
+    return a.dtype in _DTYPES and b.dtype == a.dtype and _rows(a) and _rows(b)
+
+
+def pooled(a, b, out=None, *, trans_a: bool = False, trans_b: bool = False, bias=None) -> bool:
+    """Whether :func:`matmul` runs op(a) op(b) (+ bias) on the workers (else NumPy)."""
+    if not _blas_operands(a, b):
         return False
-    if a.dtype not in _DTYPES or b.dtype != a.dtype or not (_rows(a) and _rows(b)):
+    if bias is not None and (type(bias) is not np.ndarray or bias.dtype != a.dtype or bias.ndim != 1):
         return False
     if out is not None and (type(out) is not np.ndarray or out.dtype != a.dtype or not _rows(out)
                             or not out.flags.writeable or np.may_share_memory(out, a)
@@ -153,9 +158,7 @@ def serial(a, b, *, trans_a: bool = False, trans_b: bool = False):
     alone, never on a thread count.  Single-threaded at the training step's sizes, MKL took
     0.75-0.80x OpenBLAS's time here ((1088, 64) x (64, 128): 89.5 vs 111.6 us; X^T dY
     (64, 1088) x (1088, 64): 42.7 vs 61.2 us; issue 13)."""
-    if type(a) is not np.ndarray or type(b) is not np.ndarray or a.ndim != 2 or b.ndim != 2:
-        return None
-    if a.dtype not in _DTYPES or b.dtype != a.dtype or not (_rows(a) and _rows(b)):
+    if not _blas_operands(a, b):
         return None
     m, k = a.shape[::-1] if trans_a else a.shape
     kb, n = b.shape[::-1] if trans_b else b.shape

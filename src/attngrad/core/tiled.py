@@ -382,11 +382,9 @@ def split_spans(length: int, block: int, units: int) -> list:
 
 def _flat_rows(prob: Problem, loops: Loops):
     """(B, H, Lq) bool: rows with a constant softmax (fewer than two keys, no sink), or None."""
-    B, H, _, Lq, Lk = prob.shape[:5]
+    B, H, _, Lq = prob.shape[:4]
     if not prob.shift_free or B * H * Lq == 0:
         return None
-    if prob.spec.is_empty:  # no rule: every row has all Lk keys
-        return np.ones((B, H, Lq), dtype=bool) if Lk < 2 else None
     flat = np.empty((B, H, Lq), dtype=bool)
     for b in range(B):
         lo, hi = _interval(loops, b)
@@ -515,7 +513,7 @@ def tiled_forward(q, k, v, prob: Problem, tiling: Tiling, result=None, keep_resu
     run_units(work, B * H * len(spans), tiling.threads, blas=loops is None or not fused.private_blas())
     flat = None
     if loops is not None:
-        flat = _flat_rows(prob, loops)
+        flat = _flat_rows(prob, loops) if count else None  # (count: some row may have < 2 keys)
     elif prob.shift_free and (nkeys is not None or Lk < 2):
         flat = (nkeys < 2) if nkeys is not None else np.ones((B, H, Lq), dtype=bool)
         flat = flat if flat.any() else None
