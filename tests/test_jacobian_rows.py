@@ -176,3 +176,26 @@ def test_mha_jacobian_rows_empty_sizes(monkeypatch, shapes):
     for wrt in LAYER_PARAMS:
         got, want = _both(monkeypatch, lambda wrt=wrt: mha_jacobian(params, x, m, wrt=wrt, num_heads=2))
         assert got.shape == want.shape and np.array_equal(got, want), wrt
+
+
+@pytest.mark.parametrize("what", ["BLOCK_Q", "COEFF", "KEPT"])
+def test_kernel_broadcasts_a_single_allowed_key_over_every_key(what):
+    """``allowed`` of shape (1, 1, 1, 1) (rows.row_args' "every key allowed") is read at
+    key 0 for every key: here it is the first byte of a buffer of False, so that a read past
+    it (key j at offset j) would mask keys 1..Lk-1 and change the result."""
+    kern = row_kernels()
+    rng = np.random.default_rng(21)
+    q, k, v = rng.standard_normal((1, 2, 3, 4)), rng.standard_normal((1, 2, LK, 4)), rng.standard_normal((1, 2, LK, 4))
+    buf = np.zeros(64, bool)
+    buf[0] = True
+    one = buf[:1].reshape(1, 1, 1, 1)
+    full = np.ones((1, 1, 1, LK), bool)
+    mode = getattr(kern, what)
+    shape = {"BLOCK_Q": (1, 2, 3, 4, 4), "COEFF": (1, 2, 3, 4, LK), "KEPT": (1, 2, 3, LK, 1)}[what]
+    got, want = np.zeros(shape), np.zeros(shape)
+    outs_got, outs_want = np.empty((1, 2, 3, 4)), np.empty((1, 2, 3, 4))
+    common = (np.zeros((1, 1, 1, 1)), np.zeros(0), 0.0, np.ones((1, 1, 1, 1)), 0.5, mode)
+    kern.jacobian_rows(q, k, v, 1, one, *common, got, outs_got)
+    kern.jacobian_rows(q, k, v, 1, full, *common, want, outs_want)
+    assert np.array_equal(got, want) and np.array_equal(outs_got, outs_want)
+    assert np.count_nonzero(want) > 0

@@ -41,7 +41,7 @@ def _row(q, k, vals, vgroup, allowed, add, sinks, softcap, keep, scale, b, h, i,
     m = -math.inf
     found = False
     for j in range(Lk):
-        if not allowed[ba, ha, ia, j]:
+        if not allowed[ba, ha, ia, _pick(allowed.shape[3], j)]:
             continue
         found = True
         acc = 0.0
@@ -68,7 +68,7 @@ def _row(q, k, vals, vgroup, allowed, add, sinks, softcap, keep, scale, b, h, i,
         m = 0.0
     z = 0.0
     for j in range(Lk):
-        if allowed[ba, ha, ia, j]:
+        if allowed[ba, ha, ia, _pick(allowed.shape[3], j)]:
             e = math.exp(p_row[j] - m)
             p_row[j] = e
             z += e
@@ -77,7 +77,7 @@ def _row(q, k, vals, vgroup, allowed, add, sinks, softcap, keep, scale, b, h, i,
     if not z > 0.0:
         z = 1.0
     for j in range(Lk):
-        if allowed[ba, ha, ia, j]:
+        if allowed[ba, ha, ia, _pick(allowed.shape[3], j)]:
             p = p_row[j] / z  # (A2)
             p_row[j] = p
             w_row[j] *= p  # (V1) W = P (1 − t²)
@@ -100,7 +100,7 @@ def jacobian_rows(q, k, vals, vgroup, allowed, add, sinks, softcap, keep, scale,
     KEPT:    (J8)  out[b, h, i, j, 0] = P̃_ij, out (B, H, Lq, Lk, 1)
 
     q (B, H, Lq, D); k (B, Hkv, Lk, D), query head h reads kv head h // (H / Hkv); vals
-    (B, H / vgroup, Lk, F), head h reads h // vgroup; allowed (b|1, h|1, Lq|1, Lk) bool;
+    (B, H / vgroup, Lk, F), head h reads h // vgroup; allowed (b|1, h|1, Lq|1, Lk|1) bool;
     add (b|1, h|1, Lq|1, Lk|1) (zeros: none); sinks (H,), or (0,) for none; softcap c > 0,
     or 0 for none; keep Z/(1 − p) (B|1, H|1, Lq|1, Lk|1) (ones: none); W̃ = W ∘ Z/(1 − p).
     ``outs`` (B, H, Lq, F) receives P̃ vals (A3)."""
@@ -110,6 +110,7 @@ def jacobian_rows(q, k, vals, vgroup, allowed, add, sinks, softcap, keep, scale,
     hk_div = H // k.shape[1]
     p_row, w_row, z_row = np.empty(Lk), np.empty(Lk), np.empty(Lk)
     c_row = np.empty(Lk)  # the (JD3) coefficients of one f
+    acc_row = np.empty(D)  # the (JD2) sums of one f
     for b in range(B):
         for h in range(H):
             hk, hv = h // hk_div, h // vgroup
@@ -121,25 +122,28 @@ def jacobian_rows(q, k, vals, vgroup, allowed, add, sinks, softcap, keep, scale,
                 ba, ia = _pick(allowed.shape[0], b), _pick(allowed.shape[2], i)
                 if what == KEPT:
                     for j in range(Lk):
-                        if allowed[ba, ha, ia, j]:
+                        if allowed[ba, ha, ia, _pick(allowed.shape[3], j)]:
                             out[b, h, i, j, 0] = p_row[j] * z_row[j]  # (J8, V3)
                     continue
                 for f in range(F):
                     o = outs[b, h, i, f]
                     for j in range(Lk):  # (JD3) s (W̃_ij vals_jf − W_ij outs_if), 0 where not allowed
                         c_row[j] = 0.0
-                        if allowed[ba, ha, ia, j]:
+                        if allowed[ba, ha, ia, _pick(allowed.shape[3], j)]:
                             c_row[j] = scale * (w_row[j] * z_row[j] * vals[b, hv, j, f] - w_row[j] * o)
                     if what == COEFF:
                         for j in range(Lk):
                             out[b, h, i, f, j] = c_row[j]
                         continue
-                    for d in range(D):  # (JD2) Σ_j coeff_j K_jd over the allowed keys (others may be NaN)
-                        acc = 0.0
-                        for j in range(Lk):
-                            if allowed[ba, ha, ia, j]:
-                                acc += c_row[j] * k[b, hk, j, d]
-                        out[b, h, i, f, d] = acc
+                    for d in range(D):
+                        acc_row[d] = 0.0
+                    for j in range(Lk):  # (JD2) Σ_j coeff_j K_jd over the allowed keys (others may be NaN), j in order
+                        if allowed[ba, ha, ia, _pick(allowed.shape[3], j)]:
+                            c = c_row[j]
+                            for d in range(D):  # (contiguous in K: vectorised)
+                                acc_row[d] += c * k[b, hk, j, d]
+                    for d in range(D):
+                        out[b, h, i, f, d] = acc_row[d]
 
 
 @_jit

@@ -21,12 +21,15 @@ import functools
 
 import numpy as np
 
-from ..layers.mha import check_param_arrays
+from ..layers.mha import check_param_arrays, input_sources
 from ..ops import merge_heads
+from . import memo
 from .columns import jacobian_to_columns, params_from_columns, to_rows
 from .jvp import (
     _any,
+    _attention_structure,
     _f64,
+    _layer_key,
     attention_jvp_parts,
     attention_primal,
     attention_structure,
@@ -72,23 +75,34 @@ def sdpa_jacobian(q, k, v, wrt: str = "q", *, method: str = "closed", chunk: int
     (J6)-(J8), as (JD1)-(JD3); ``method="jvp"`` pushes every basis direction through the
     JVP (J1)-(J3).
     Variant keywords as sdpa_jvp (soft-cap and dropout enter (J6)-(J8) as their docstrings
-    say); scale_grad is refused."""
+    say); scale_grad is refused.
+
+    A repeated closed-form call (q, k, v of the same dtypes and shapes, the same options:
+    :mod:`.memo`) with the compiled kernels runs none of the checks, only the kernel."""
+    kern = row_kernels() if method == "closed" else None
+    mkey = None if kern is None else memo.key(
+        (q, k, v), (wrt, chunk, mask, key_lengths, key_mask, causal, scale, bias, softcap, sinks, alibi_slopes,
+                    window, q_segment_ids, kv_segment_ids, dropout_p, dropout_seed, scale_grad), ("sdpa_jacobian",))
+    plan = memo.get(mkey)
+    if plan is not None:  # (kept below, after every check passed)
+        return _sdpa_jacobian_rows(kern, q, k, v, *plan, wrt)
     _check_choice("wrt", wrt, SDPA_ARGS)
     _check_choice("method", method, ("closed", "jvp"))
     _check_chunk(chunk)
     variants = {"bias": bias, "softcap": softcap, "sinks": sinks, "alibi_slopes": alibi_slopes, "window": window,
                 "q_segment_ids": q_segment_ids, "kv_segment_ids": kv_segment_ids, "dropout_p": dropout_p,
                 "dropout_seed": dropout_seed, "scale_grad": scale_grad}
-    _, allowed, s, var = attention_structure(q, k, v, mask=mask, key_lengths=key_lengths, key_mask=key_mask,
-                                             causal=causal, scale=scale, variants=variants,
-                                             who="sdpa_jacobian", kind=method)
+    opts = {"mask": mask, "key_lengths": key_lengths, "key_mask": key_mask, "causal": causal, "scale": scale,
+            "variants": variants, "who": "sdpa_jacobian", "kind": method}
+    # with the kernels, the plan (not the structure) is what the memo keeps
+    _, allowed, s, var = (attention_structure(q, k, v, **opts) if kern is None
+                          else _attention_structure(q, k, v, shape=None, **opts))
     args = {"q": q, "k": k, "v": v}
     out_shape = (q.shape[0], q.shape[1], q.shape[2], v.shape[3])
     if method == "closed":
         shape = out_shape + tuple(args[wrt].shape)
-        kern = row_kernels()
         if kern is not None:
-            return _sdpa_jacobian_rows(kern, q, k, v, row_args(allowed, s, var), wrt, shape)
+            return _sdpa_jacobian_rows(kern, q, k, v, *memo.put(mkey, (row_args(allowed, s, var), shape)), wrt)
         return _sdpa_jacobian_blocks(attention_primal(q, k, v, allowed, s, var), wrt, shape)
 
     def jvp_of(t):
@@ -181,7 +195,7 @@ def _sdpa_jacobian_blocks(r, wrt: str, shape: tuple):
     return jac
 
 
-def _sdpa_jacobian_rows(kern, q, k, v, rargs, wrt: str, shape: tuple):
+def _sdpa_jacobian_rows(kern, q, k, v, rargs, shape: tuple, wrt: str):
     """:func:`_sdpa_jacobian_blocks` with the compiled row kernels (:mod:`.rows`): the
     same blocks (J6)-(J8) written through the same diagonal views, each query row's primal
     and block in one pass."""
@@ -227,7 +241,18 @@ def mha_jacobian(params, query, key=None, value=None, *, wrt: str = "query", con
     w.r.t. a parameter directly (J9), as (JD4)-(JD5); inputs, and ``method="jvp"``, use the
     JVPs.  Variant
     keywords as mha_jvp.
+
+    A repeated closed-form call w.r.t. a parameter (same dtypes and shapes, same options:
+    :mod:`.memo`) runs none of the checks: only the projections and the row kernels.
     """
+    kern = row_kernels() if method == "closed" else None
+    mkey = None if kern is None else _layer_key("mha_jacobian", params, query, key, value,
+                                                (wrt, convention, chunk, *kwargs.values()), tuple(kwargs))
+    plan = memo.get(mkey)
+    if plan is not None:  # (kept below, after every check passed)
+        H, Hkv, rargs = plan
+        srcs = input_sources(query, key, value)[1]
+        return _layer_param_rows(kern, srcs, layer_heads(kern, params, srcs, H, Hkv), rargs, params, wrt)
     _check_choice("method", method, ("closed", "jvp"))
     _check_choice("convention", convention, ("row", "column"))
     _check_chunk(chunk)
@@ -251,11 +276,12 @@ def mha_jacobian(params, query, key=None, value=None, *, wrt: str = "query", con
     closed = method == "closed" and wrt in params
     kwargs = {**kwargs, "who": "mha_jacobian", "kind": "closed" if closed else "jvp"}
     if closed:
-        kern = row_kernels()
-        if kern is not None:
+        if kern is not None:  # the plan (not the structure) is what the memo keeps
             heads = functools.partial(layer_heads, kern)  # (M1) compiled
-            return _layer_param_rows(kern, layer_structure(params, query, key, value, heads=heads, **kwargs),
-                                     params, wrt)
+            st = layer_structure(params, query, key, value, heads=heads, memoise=False, **kwargs)
+            H, Hkv = st.heads[0].shape[1], st.heads[1].shape[1]
+            _, _, rargs = memo.put(mkey, (H, Hkv, row_args(st.allowed, st.scale, st.variants)))  # (the plan)
+            return _layer_param_rows(kern, st.sources, st.heads, rargs, params, wrt)
         return _layer_param_blocks(layer_primal(params, query, key, value, **kwargs), params, wrt)
     base = layer_jvp_parts(params, query, key, value, **kwargs)
 
@@ -289,12 +315,13 @@ def _layer_param_blocks(r, params, wrt: str):
     return _k_blocks(_k_coeff(a, u, ubar), a.q, xk, a.group, wrt)  # (J7, JD4) s (P̃ U − W Ū)
 
 
-def _layer_param_rows(kern, st, params, wrt: str):
+def _layer_param_rows(kern, sources, heads, rargs, params, wrt: str):
     """:func:`_layer_param_blocks` with the compiled row kernels (:mod:`.rows`) in place
     of the attention primal and its blocks (J6)-(J8); the contractions (JD5) are the same
-    functions.  ``st``: the :class:`~.jvp.LayerStructure`."""
-    q, k, v = st.heads  # (B, H, Lq, D), (B, Hkv, Lk, D), (B, Hkv, Lk, Dv)
-    xq, xk, xv = st.sources
+    functions.  ``sources`` (X_q, X_k, X_v), ``heads`` (Q, K, V) split into heads and the
+    kernels' ``rargs`` (:func:`.rows.row_args`) of the validated layer."""
+    q, k, v = heads  # (B, H, Lq, D), (B, Hkv, Lk, D), (B, Hkv, Lk, Dv)
+    xq, xk, xv = sources
     B, H, Lq, D = q.shape
     Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
     wo = params["W_o"]
@@ -302,7 +329,6 @@ def _layer_param_rows(kern, st, params, wrt: str):
     if wrt == "b_o":
         return _bo_blocks(B, Lq, E)
     G = H // Hkv
-    rargs = row_args(st.allowed, st.scale, st.variants)
     if wrt in ("W_o", "W_v", "b_v"):
         kept, o = np.zeros((B, H, Lq, Lk, 1)), np.empty((B, H, Lq, Dv))
         if kept.size or o.size:

@@ -351,18 +351,20 @@ def layer_structure(params, query, key=None, value=None, *, num_heads, num_kv_he
                     key_lengths=None, key_mask=None, causal=False, scale=None, bias=None, softcap=None,
                     sinks=None, alibi_slopes=None, window=None, q_segment_ids=None, kv_segment_ids=None,
                     dropout_p=0.0, dropout_seed=None, scale_grad=False, who: str = "mha_jacobian",
-                    kind: str = "closed", heads=_heads) -> LayerStructure:
+                    kind: str = "closed", heads=_heads, memoise: bool = True) -> LayerStructure:
     """The layer validated as :func:`layer_jvp_parts` validates it (same keywords, no
     tangents), up to the attention's structure.  ``heads(params, sources, H, Hkv)`` forms
     Q, K, V split into heads (:func:`_heads` by default).  Memoised as one (:mod:`.memo`):
     a repeated call with inputs and parameters of the same dtypes and shapes and the same
-    options runs none of the checks, only ``heads``."""
+    options runs none of the checks, only ``heads``.  ``memoise=False``: every check runs
+    and nothing is kept (for a caller that keeps its own plan of the call)."""
     variants = {"bias": bias, "softcap": softcap, "sinks": sinks, "alibi_slopes": alibi_slopes, "window": window,
                 "q_segment_ids": q_segment_ids, "kv_segment_ids": kv_segment_ids, "dropout_p": dropout_p,
                 "dropout_seed": dropout_seed, "scale_grad": scale_grad}
-    mkey = _layer_key("layer_structure", params, query, key, value,
-                      (num_heads, num_kv_heads, mask, key_lengths, key_mask, causal, scale, *variants.values()),
-                      (who, kind))  # (the variants' names: this function's own, always the same)
+    mkey = None if not memoise else _layer_key(
+        "layer_structure", params, query, key, value,
+        (num_heads, num_kv_heads, mask, key_lengths, key_mask, causal, scale, *variants.values()),
+        (who, kind))  # (the variants' names: this function's own, always the same)
     hit = memo.get(mkey)
     if hit is not None:
         H, Hkv, allowed, s, var = hit

@@ -24,6 +24,11 @@ string, None or a tuple/list of those; a structure whose arrays exceed
 never returned to the caller, never written (the tools only read them).  At most
 :data:`MAX_ENTRIES` structures are kept (the oldest is dropped first).
 
+What is kept is a structure (the JVP and HVP tools, and the Jacobians without the
+compiled kernels) or, for the closed-form Jacobians with the kernels, the call's whole
+plan (the kernels' arguments) under a key that also holds the Jacobian's own options
+(``wrt``, ``chunk``, ``convention``): a hit goes straight to the kernels.
+
 :func:`cached` is the lookup a call site makes; :func:`clear` empties the memo; :func:`info`
 gives (hits, misses, size).
 """
