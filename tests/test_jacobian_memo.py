@@ -295,3 +295,32 @@ def test_any_sequence_of_calls_equals_the_checks(data):
         memo._memo.update(saved)  # put back what the cold call cleared
         _same(got, want)
         assert entries >= 1
+
+
+def test_a_kept_plan_still_refuses_bad_jacobian_options_and_follows_the_numba_switch(monkeypatch):
+    """The closed-form Jacobians keep their whole plan (with the compiled kernels) under a
+    key that holds wrt, chunk and convention too: a bad value of any of them after good
+    calls is still refused, another wrt is its own plan, and switching the kernels off
+    takes the NumPy form (equal within its rounding)."""
+    params, x, _ = _layer(np.random.default_rng(12))
+    q, k, v = _qkv(np.random.default_rng(12))
+    kw = {"num_heads": 2, "num_kv_heads": 1}
+    for _ in range(2):
+        a = sdpa_jacobian(q, k, v, "q")
+        w = mha_jacobian(params, x, wrt="W_q", **kw)
+    for bad in ({"chunk": 0}, {"chunk": 1.5}, {"method": "closed ", "chunk": 256}):
+        with pytest.raises(ValueError, match="chunk|method"):
+            sdpa_jacobian(q, k, v, "q", **bad)
+        with pytest.raises(ValueError, match="chunk|method"):
+            mha_jacobian(params, x, wrt="W_q", **kw, **bad)
+    with pytest.raises(ValueError, match="wrt"):
+        sdpa_jacobian(q, k, v, "Q")
+    with pytest.raises(ValueError, match="wrt"):
+        mha_jacobian(params, x, wrt="w_q", **kw)
+    with pytest.raises(ValueError, match="convention"):
+        mha_jacobian(params, x, wrt="W_q", convention="rows", **kw)
+    _same(sdpa_jacobian(q, k, v, "k"), _cold(lambda: sdpa_jacobian(q, k, v, "k")))
+    _same(mha_jacobian(params, x, wrt="b_q", **kw), _cold(lambda: mha_jacobian(params, x, wrt="b_q", **kw)))
+    monkeypatch.setenv("ATTNGRAD_NO_NUMBA", "1")
+    np.testing.assert_allclose(sdpa_jacobian(q, k, v, "q"), a, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(mha_jacobian(params, x, wrt="W_q", **kw), w, rtol=1e-12, atol=1e-14)
