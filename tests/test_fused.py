@@ -485,3 +485,20 @@ def test_float32_delta_is_summed_in_float64_whatever_o_is_kept_in(use_fused, mon
         want = np.einsum("ij,ij->i", do[0, h].astype(np.float64), cache.out[0, h].astype(np.float64))
         assert got.dtype == np.float64
         np.testing.assert_allclose(got, want, rtol=1e-13, atol=1e-13)
+
+
+def test_row_intervals_shared_arrays_stay_as_they_were():
+    """The positional intervals are kept per shape and rule (masks._positional_intervals):
+    a call with key lengths forms its own hi, and the kept arrays never change."""
+    from attngrad.core.masks import make_mask_spec
+
+    plain = make_mask_spec(np, 2, 1, 6, 9, causal="bottom_right")
+    lo, hi = plain.row_intervals(0)
+    want = lo.copy(), hi.copy()
+    padded = make_mask_spec(np, 2, 1, 6, 9, causal="bottom_right", key_lengths=np.array([2, 9]))
+    _, hi_padded = padded.row_intervals(0)
+    assert hi_padded.max() == 1 and not np.shares_memory(hi_padded, hi)
+    again = plain.row_intervals(1)
+    assert again[0] is lo and again[1] is hi  # shared
+    np.testing.assert_array_equal(lo, want[0])
+    np.testing.assert_array_equal(hi, want[1])

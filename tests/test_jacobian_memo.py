@@ -309,9 +309,9 @@ def test_a_kept_plan_still_refuses_bad_jacobian_options_and_follows_the_numba_sw
         a = sdpa_jacobian(q, k, v, "q")
         w = mha_jacobian(params, x, wrt="W_q", **kw)
     for bad in ({"chunk": 0}, {"chunk": 1.5}, {"method": "closed ", "chunk": 256}):
-        with pytest.raises(ValueError, match="chunk|method"):
+        with pytest.raises(ValueError, match=r"chunk|method"):
             sdpa_jacobian(q, k, v, "q", **bad)
-        with pytest.raises(ValueError, match="chunk|method"):
+        with pytest.raises(ValueError, match=r"chunk|method"):
             mha_jacobian(params, x, wrt="W_q", **kw, **bad)
     with pytest.raises(ValueError, match="wrt"):
         sdpa_jacobian(q, k, v, "Q")

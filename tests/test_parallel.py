@@ -187,3 +187,13 @@ def test_blas_threads_sets_the_count_and_restores_it():
             pass
         assert [lib.get_num_threads() for lib in libs] == [1] * len(libs)
     assert [lib.get_num_threads() for lib in libs] == before
+
+
+def test_wake_units_leaves_every_result_as_it_was():
+    from attngrad.core.parallel import run_units, wake_units
+
+    for threads, units in ((1, 4), (2, 1), (2, 8), (4, 3)):
+        wake_units(threads, units)
+        seen = []
+        run_units(lambda u, w, seen=seen: seen.append(u), units, threads)
+        assert sorted(seen) == list(range(units))

@@ -70,3 +70,39 @@ def test_the_layer_backward_is_the_same_with_fresh_temporaries(monkeypatch, qk_n
             assert set(got) == set(want)
             for name in got:
                 assert np.array_equal(got[name], want[name]), name
+
+
+def test_carved_views_are_kept_while_their_buffer_is_the_same():
+    calls = []
+
+    def carve(block):
+        calls.append(block.shape)
+        return block[:3], block[4:6]
+
+    first = workspace.carved("test.c", np.float32, (8, 3, 2), carve)
+    again = workspace.carved("test.c", np.float32, (8, 3, 2), carve)
+    assert again is first and calls == [(8,)]  # cut once
+    workspace.scratch("test.c", (100,), np.float32)  # the buffer grows: a new one
+    fresh = workspace.carved("test.c", np.float32, (8, 3, 2), carve)
+    assert calls == [(8,), (8,)] and not np.shares_memory(fresh[0], first[0])
+    assert workspace.carved("test.c", np.float64, (8, 3, 2), carve)[0].dtype == np.float64  # dtype: own views
+    theirs = []
+    t = threading.Thread(target=lambda: theirs.append(workspace.carved("test.c", np.float64, (8, 3, 2), carve)))
+    t.start()
+    t.join()
+    assert not np.shares_memory(theirs[0][0], workspace.carved("test.c", np.float64, (8, 3, 2), carve)[0])
+    assert workspace.carved("test.huge", np.float32, (workspace.MAX_BYTES // 4 + 1, 1), carve) is None
+
+
+def test_worker_scratch_keeps_its_aligned_views():
+    from attngrad.core.tiled import worker_scratch
+
+    a = worker_scratch(np.float32, 100, 7, 33, key="test.ws")
+    b = worker_scratch(np.float32, 100, 7, 33, key="test.ws")
+    assert all(x is y for x, y in zip(a, b, strict=True))
+    assert [x.size for x in a] == [100, 7, 33]
+    assert all(x.ctypes.data % 128 == 0 for x in a)
+    for x, y in ((a[0], a[1]), (a[1], a[2]), (a[0], a[2])):
+        assert not np.shares_memory(x, y)
+    c = worker_scratch(np.float32, 100, 7, 33)  # no key: fresh
+    assert not np.shares_memory(c[0], a[0])

@@ -23,6 +23,7 @@ tile ``[q0, q1) x [k0, k1)`` so that the dense path and any tiled path use the s
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,6 +49,19 @@ def normalize_causal(causal, lq: int, lk: int) -> str | None:
     raise ValueError(
         f"causal must be False, True, 'top_left' or 'bottom_right'; got {causal!r}"
     )
+
+
+@functools.lru_cache(maxsize=32)
+def _positional_intervals(lq: int, lk: int, offset: int, causal, window) -> tuple:
+    """``(lo, hi)`` of :meth:`MaskSpec.row_intervals` for the positional rules alone (causal,
+    window) and Lk keys, clipped to [0, Lk - 1]: (Lq,) int64 each, contiguous.  Kept per
+    shape and rule (the tiled path asks for them on every call: ~0.1 ms after an idle
+    spell, issue 13), so shared: read, never written."""
+    spec = MaskSpec(1, 1, lq, lk, causal=causal, window=window)
+    lo, hi = spec._bounds(np.arange(lq, dtype=np.int64) + offset)
+    lo = np.zeros(lq, np.int64) if lo is None else np.maximum(lo, 0)
+    hi = np.full(lq, lk - 1, np.int64) if hi is None else np.minimum(hi, lk - 1)
+    return np.ascontiguousarray(lo, np.int64), np.ascontiguousarray(hi, np.int64)
 
 
 @dataclass(frozen=True)
@@ -110,19 +124,18 @@ class MaskSpec:
         attend exactly the keys lo[i] <= j <= hi[i] (none where hi[i] < lo[i]): the causal
         and window rules, and key padding whose present keys are a prefix (key_lengths).
         None for an explicit mask, packed segments or a key mask with gaps.  The compiled
-        tile loops (core/_tiled_kernels.py) take this form of the rule."""
+        tile loops (core/_tiled_kernels.py) take this form of the rule.  The arrays may be
+        shared between calls (:func:`_positional_intervals`): read them, never write."""
         if self.mask is not None or self.q_seg is not None:
             return None
-        lo, hi = self._bounds(np.arange(self.lq, dtype=np.int64) + self.offset)
-        lo = np.zeros(self.lq, np.int64) if lo is None else np.maximum(lo, 0)
-        top = self.lk - 1
+        lo, hi = _positional_intervals(self.lq, self.lk, self.offset, self.causal, self.window)
         if self.keys is not None:
             keys = np.asarray(self.keys[b if self.keys.shape[0] > 1 else 0])
             top = int(keys.sum()) - 1
             if not keys[: top + 1].all():
                 return None  # a gap: not an interval
-        hi = np.full(self.lq, top, np.int64) if hi is None else np.minimum(hi, top)
-        return np.ascontiguousarray(lo, np.int64), np.ascontiguousarray(hi, np.int64)
+            hi = np.minimum(hi, top)
+        return lo, hi
 
     def block(self, xp, q0: int = 0, q1: int | None = None, k0: int = 0, k1: int | None = None,
               b: int | None = None):

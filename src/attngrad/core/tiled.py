@@ -41,9 +41,9 @@ from .dense import dense_forward, reduce_to_shape
 from .dropout import keep_tile
 from .logits import alibi_grad_distance, form_logits, softcap_backward
 from .masks import MaskSpec
-from .parallel import check_threads, run_units
+from .parallel import check_threads, run_units, wake_units
 from .problem import Problem, problem_views
-from .workspace import scratch as workspace_buffer
+from .workspace import carved as workspace_views
 
 # Default tiles (2 cores, float32, D=64, fwd + bwd against torch SDPA, round-robin,
 # `python benchmarks/tiles.py`; docs/performance.md): 256 x 512 without a causal rule or
@@ -59,6 +59,15 @@ DEFAULT_BLOCK_K = 512
 # time of 512 (N=1024: 10.5 vs 12.7 ms; N=4096: 140 vs 156; causal 92 vs 102): half the
 # online-softmax rescales and calls; the backward keeps DEFAULT_BLOCK_K (its best there).
 DEFAULT_BLOCK_K_FORWARD = 1024
+# The compiled loops' query tile where none is given: 128 rows in the backward (same VM,
+# 0.15 s idle before each call, B=1 H=8 D=64 float32, 2 cores, 41 rounds, issue 13,
+# eleventh round: N=1024 19.13 vs 19.88 ms at 256 rows, N=2048 75.3 vs 76.6, N=4096 298
+# vs 309 in 25), and in the forward while one head's K and V take at most
+# FORWARD_SMALL_KV_BYTES (they then stay in L2 across the query tiles, and the 128 x 1024
+# score tile is half the memory an idle spell left cold: N=1024 8.19 vs 8.45 ms, N=2048
+# 29.87 vs 30.28), else DEFAULT_BLOCK_Q (N=4096, K and V 2 MB: 115.3 vs 116.8 at 128).
+DEFAULT_BLOCK_Q_COMPILED = 128
+FORWARD_SMALL_KV_BYTES = 1 << 20
 # impl="auto" picks the tiled path for NumPy inputs when B*H*Lq*Lk reaches this many entries:
 # P would take 64 MB in float32.  Below it the dense path is as fast or faster (measured with
 # `attngrad bench`: dense 1.6x, tiled 2.0x SDPA's time at B=1 H=8 N=1024, non-causal); above
@@ -275,19 +284,23 @@ def worker_scratch(dtype, *sizes: int, key: str | None = None) -> tuple:
     between them at every row (false sharing).  ``key``: the block is the calling thread's
     workspace buffer of that name (:mod:`.workspace`: kept between calls, so a call neither
     allocates it nor touches fresh pages: 0.06 ms per forward warm, 0.15 ms after an idle
-    spell, at B=1 H=8 N=1024, issue 13), else a fresh array."""
+    spell, at B=1 H=8 N=1024, issue 13), and the views themselves are kept with it
+    (:func:`.workspace.carved`); else a fresh array."""
     item = np.dtype(dtype).itemsize
     step = _LINE // item
     spans = [-(-max(n, 1) // step) * step for n in sizes]  # each rounded up to whole lines
     total = sum(spans) + 3 * step
-    block = workspace_buffer(key, (total,), dtype) if key is not None else None
-    block = np.empty(total, dtype=dtype) if block is None else block
-    start = (-(block.ctypes.data // item) % step) + step  # aligned, one guard span first
-    out = []
-    for n, span in zip(sizes, spans, strict=True):
-        out.append(block[start : start + n])
-        start += span
-    return tuple(out)
+
+    def carve(block):
+        start = (-(block.ctypes.data // item) % step) + step  # aligned, one guard span first
+        out = []
+        for n, span in zip(sizes, spans, strict=True):
+            out.append(block[start : start + n])
+            start += span
+        return tuple(out)
+
+    views = None if key is None else workspace_views(key, dtype, (total, *sizes), carve)
+    return carve(np.empty(total, dtype=dtype)) if views is None else views
 
 
 def _tile_buf(buf, rows: int, cols: int):
@@ -410,16 +423,24 @@ def tiled_forward(q, k, v, prob: Problem, tiling: Tiling, result=None, keep_resu
     ``keep_result``: the cache keeps ``result`` itself as its O, not a copy of its own (for
     a caller that owns ``result`` and writes nothing into it before the backward: the
     layer, whose merged heads C its own backward needs too)."""
-    given_bk = tiling.block_k
+    given_bq, given_bk = tiling.block_q, tiling.block_k
     tiling = resolve_tiles(tiling, prob)
     sh = prob.shape
     B, H, _, Lq, Lk, _, Dv = sh
     G = sh.group
+    if tiling.threads > 1:
+        wake_units(tiling.threads, B * H)  # (up by the time the units are handed out)
     loops = compiled_loops(prob, tiling)
-    # the compiled forward's own default key tile (DEFAULT_BLOCK_K_FORWARD); the cache keeps
-    # ``tiling`` (the backward's tiles)
+    # the compiled loops' own default tiles (DEFAULT_BLOCK_Q_COMPILED, the forward's
+    # DEFAULT_BLOCK_K_FORWARD); the cache keeps ``tiling`` (the backward's tiles)
     bk_fwd = given_bk or (DEFAULT_BLOCK_K_FORWARD if loops is not None else tiling.block_k)
-    bq, bk = min(tiling.block_q, max(Lq, 1)), min(bk_fwd, max(Lk, 1))
+    bq_fwd = tiling.block_q
+    if loops is not None and given_bq is None:
+        wide = tiling.block_q == DEFAULT_BLOCK_Q  # (no causal or window rule chose the tile)
+        tiling = tiling._replace(block_q=DEFAULT_BLOCK_Q_COMPILED)
+        kv_bytes = Lk * (sh.d + Dv) * q.dtype.itemsize  # one head's K and V
+        bq_fwd = DEFAULT_BLOCK_Q if wide and kv_bytes > FORWARD_SMALL_KV_BYTES else DEFAULT_BLOCK_Q_COMPILED
+    bq, bk = min(bq_fwd, max(Lq, 1)), min(bk_fwd, max(Lk, 1))
     cdt = q.dtype
     # O accumulates in float64 for float32 work: the NumPy loop in ``out`` (B, H, Lq, Dv),
     # which the cache keeps; the compiled loops one query tile at a time in a worker's
