@@ -308,7 +308,7 @@ def test_a_kept_plan_still_refuses_bad_jacobian_options_and_follows_the_numba_sw
     for _ in range(2):
         a = sdpa_jacobian(q, k, v, "q")
         w = mha_jacobian(params, x, wrt="W_q", **kw)
-    for bad in ({"chunk": 0}, {"chunk": 1.5}, {"method": "closed ", "chunk": 256}):
+    for bad in ({"chunk": 0}, {"chunk": 1.5}, {"method": "closed ", "chunk": 256}, {"method": np.array(["closed"])}):
         with pytest.raises(ValueError, match=r"chunk|method"):
             sdpa_jacobian(q, k, v, "q", **bad)
         with pytest.raises(ValueError, match=r"chunk|method"):

@@ -79,7 +79,7 @@ def sdpa_jacobian(q, k, v, wrt: str = "q", *, method: str = "closed", chunk: int
 
     A repeated closed-form call (q, k, v of the same dtypes and shapes, the same options:
     :mod:`.memo`) with the compiled kernels runs none of the checks, only the kernel."""
-    kern = row_kernels() if method == "closed" else None
+    kern = row_kernels() if isinstance(method, str) and method == "closed" else None
     mkey = None if kern is None else memo.key(
         (q, k, v), (wrt, chunk, mask, key_lengths, key_mask, causal, scale, bias, softcap, sinks, alibi_slopes,
                     window, q_segment_ids, kv_segment_ids, dropout_p, dropout_seed, scale_grad), ("sdpa_jacobian",))
@@ -245,7 +245,7 @@ def mha_jacobian(params, query, key=None, value=None, *, wrt: str = "query", con
     A repeated closed-form call w.r.t. a parameter (same dtypes and shapes, same options:
     :mod:`.memo`) runs none of the checks: only the projections and the row kernels.
     """
-    kern = row_kernels() if method == "closed" else None
+    kern = row_kernels() if isinstance(method, str) and method == "closed" else None
     mkey = None if kern is None else _layer_key("mha_jacobian", params, query, key, value,
                                                 (wrt, convention, chunk, *kwargs.values()), tuple(kwargs))
     plan = memo.get(mkey)
