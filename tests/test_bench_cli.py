@@ -166,6 +166,46 @@ def test_the_primer_leaves_blas_asleep_for_contenders_on_the_tiled_workers(monke
     assert contenders.primer("attngrad_mha", layer) == "numpy"
 
 
+def test_the_memory_warm_up_takes_the_measured_sizes_code_paths(monkeypatch):
+    """The memory child's tiny warm-up loads the paths the contender takes at the measured
+    shape: attngrad_mha, tiled there, warms up tiled (at the tiny size "auto" would pick the
+    dense path and leave the compiled loops' BLAS and its buffers to the measured call)."""
+    from attngrad.bench import contenders
+    from attngrad.core import fused
+
+    layer = Case(batch=4, heads=8, n=256, d=512, dtype="float32", causal=False, kind="layer")
+    small = layer._replace(batch=1, n=64)
+    compiled = fused.tile_loops() is not None
+    assert contenders.warmup("attngrad_mha", layer) == ("attngrad_mha_tiled" if compiled else "attngrad_mha")
+    assert contenders.warmup("attngrad_mha", small) == "attngrad_mha"
+    for name in ("torch_mha", "attngrad_mha_dense", "attngrad_mha_tiled"):
+        assert contenders.warmup(name, layer) == name
+    attention = layer._replace(kind="attention", d=64)
+    for name in contenders.ATTENTION:
+        assert contenders.warmup(name, attention) == name
+    monkeypatch.setattr(fused, "tile_loops", lambda: None)
+    assert contenders.warmup("attngrad_mha", layer) == "attngrad_mha"
+
+
+def test_the_memory_child_warms_up_with_the_warm_up_contender(monkeypatch):
+    """measure_here runs :func:`warmup`'s contender at the tiny size, then the contender."""
+    from attngrad.bench import contenders, memory
+
+    ran = []
+    monkeypatch.setattr(contenders, "warmup", lambda name, case: "attngrad_mha_tiled")
+    monkeypatch.setattr(memory, "warmup", contenders.warmup)
+
+    def make(tag):
+        return lambda case: (lambda: ran.append((tag, case.n)))
+
+    monkeypatch.setitem(contenders.LAYER, "attngrad_mha", make("mha"))
+    monkeypatch.setitem(contenders.LAYER, "attngrad_mha_tiled", make("tiled"))
+    case = Case(batch=1, heads=2, n=128, d=16, dtype="float64", causal=False, kind="layer")
+    out = memory.measure_here(case, "attngrad_mha")
+    assert ran[:2] == [("tiled", 64), ("mha", 128)]
+    assert out["method"] in ("rss", "unavailable")
+
+
 def test_the_workers_primer_runs_a_gemm_on_every_worker_without_numpys_blas(monkeypatch):
     """The "workers" primer: one small GEMM per worker through the compiled loops' BLAS
     (the BLAS the tiled path's products call), NumPy's BLAS thread count untouched; without

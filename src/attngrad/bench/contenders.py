@@ -177,13 +177,27 @@ def primer(name: str, case: Case | None = None) -> str:
     run on those workers too, :func:`attngrad.layers.mha.core_on_pool`).  Waking BLAS's
     pool would leave its threads spinning on the cores those workers need
     (docs/performance.md)."""
-    if name in ("attngrad_tiled", "attngrad_mha_tiled"):
-        return "workers"
-    if name == "attngrad_mha" and case is not None and core_on_pool(
-        np, "auto", case.batch, case.heads, case.n, case.n, causal=case.causal, window=None, plain=True,
-    ):
+    if name in ("attngrad_tiled", "attngrad_mha_tiled") or _mha_on_workers(name, case):
         return "workers"
     return library(name)
+
+
+def _mha_on_workers(name: str, case: Case | None) -> bool:
+    """attngrad_mha at ``case``'s shape runs its attention tiled on the workers (the layer's
+    own guess, :func:`attngrad.layers.mha.core_on_pool`), its projections with them."""
+    return name == "attngrad_mha" and case is not None and core_on_pool(
+        np, "auto", case.batch, case.heads, case.n, case.n, causal=case.causal, window=None, plain=True,
+    )
+
+
+def warmup(name: str, case: Case) -> str:
+    """The contender whose run at a tiny size loads the code paths that ``name`` takes at
+    ``case`` (the memory measurement's warm-up, :func:`attngrad.bench.memory.measure_here`):
+    ``name`` itself, except attngrad_mha where it runs on the workers at ``case``'s shape,
+    whose tiny run would take the dense path (NumPy's BLAS) and leave the compiled loops'
+    BLAS unloaded: then attngrad_mha_tiled.  Otherwise the one-time buffers of that BLAS
+    (MKL's per-thread packing buffers, ~10 MB here) counted as the layer's peak."""
+    return "attngrad_mha_tiled" if _mha_on_workers(name, case) else name
 
 
 def contender(kind: str, name: str) -> Callable[[Case], Step]:

@@ -1,7 +1,8 @@
 """Peak extra memory of one forward + backward, each contender in a fresh process.
 
-In the child: inputs are built and the contender runs once at a tiny size (code paths and
-thread pools loaded), then the resident set size is read (baseline), the kernel's
+In the child: inputs are built and the contender runs once at a tiny size, taking the code
+paths it takes at the measured size (:func:`.contenders.warmup`: code paths, thread pools
+and BLAS buffers loaded), then the resident set size is read (baseline), the kernel's
 high-water mark is reset (``/proc/self/clear_refs``, Linux) and one forward + backward
 runs; extra = VmHWM - baseline.  This counts every allocation of every library alike
 (NumPy, torch, BLAS workspaces): outputs, caches, gradients and scratch.  For NumPy
@@ -19,7 +20,7 @@ import subprocess
 import sys
 import tracemalloc
 
-from .contenders import Case, contender, library
+from .contenders import Case, contender, library, warmup
 
 
 def _status_kib(field: str) -> int | None:
@@ -49,7 +50,8 @@ def measure_here(case: Case, name: str) -> dict:
         import torch
 
         torch.set_num_threads(case.threads or os.cpu_count() or 1)
-    make(case._replace(n=min(case.n, 64)))()  # load code paths and thread pools
+    tiny = case._replace(n=min(case.n, 64))
+    contender(case.kind, warmup(name, case))(tiny)()  # load the code paths and thread pools of `case`
     step = make(case)
     gc.collect()
     base = _status_kib("VmRSS")
