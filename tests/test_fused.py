@@ -502,3 +502,6 @@ def test_row_intervals_shared_arrays_stay_as_they_were():
     assert again[0] is lo and again[1] is hi  # shared
     np.testing.assert_array_equal(lo, want[0])
     np.testing.assert_array_equal(hi, want[1])
+    for a in (lo, hi, hi_padded):
+        with pytest.raises(ValueError, match="read-only"):
+            a[0] = 5  # shared: a write is refused, never seen by a later call

@@ -56,12 +56,19 @@ def _positional_intervals(lq: int, lk: int, offset: int, causal, window) -> tupl
     """``(lo, hi)`` of :meth:`MaskSpec.row_intervals` for the positional rules alone (causal,
     window) and Lk keys, clipped to [0, Lk - 1]: (Lq,) int64 each, contiguous.  Kept per
     shape and rule (the tiled path asks for them on every call: ~0.1 ms after an idle
-    spell, issue 13), so shared: read, never written."""
+    spell, issue 13), so shared: read-only (a write raises, never corrupts a later call)."""
     spec = MaskSpec(1, 1, lq, lk, causal=causal, window=window)
     lo, hi = spec._bounds(np.arange(lq, dtype=np.int64) + offset)
     lo = np.zeros(lq, np.int64) if lo is None else np.maximum(lo, 0)
     hi = np.full(lq, lk - 1, np.int64) if hi is None else np.minimum(hi, lk - 1)
-    return np.ascontiguousarray(lo, np.int64), np.ascontiguousarray(hi, np.int64)
+    return _read_only(lo), _read_only(hi)
+
+
+def _read_only(a) -> np.ndarray:
+    """``a`` as a contiguous int64 array that refuses writes (shared between calls)."""
+    a = np.ascontiguousarray(a, np.int64)
+    a.flags.writeable = False
+    return a
 
 
 @dataclass(frozen=True)
@@ -125,7 +132,7 @@ class MaskSpec:
         and window rules, and key padding whose present keys are a prefix (key_lengths).
         None for an explicit mask, packed segments or a key mask with gaps.  The compiled
         tile loops (core/_tiled_kernels.py) take this form of the rule.  The arrays may be
-        shared between calls (:func:`_positional_intervals`): read them, never write."""
+        shared between calls (:func:`_positional_intervals`): they are read-only."""
         if self.mask is not None or self.q_seg is not None:
             return None
         lo, hi = _positional_intervals(self.lq, self.lk, self.offset, self.causal, self.window)
@@ -134,7 +141,7 @@ class MaskSpec:
             top = int(keys.sum()) - 1
             if not keys[: top + 1].all():
                 return None  # a gap: not an interval
-            hi = np.minimum(hi, top)
+            hi = _read_only(np.minimum(hi, top))  # (read-only like the shared ones: one kind of array)
         return lo, hi
 
     def block(self, xp, q0: int = 0, q1: int | None = None, k0: int = 0, k1: int | None = None,
