@@ -151,7 +151,7 @@ def test_the_primer_leaves_blas_asleep_for_contenders_on_the_tiled_workers(monke
     """attngrad_mha runs on the tiled path's workers where its attention does (the layer's
     own guess), and is then primed like attngrad_tiled: no BLAS pool woken beside them."""
     from attngrad.bench import contenders
-    from attngrad.core import fused
+    from attngrad.runtime import fused
 
     layer = Case(batch=4, heads=8, n=256, d=512, dtype="float32", causal=False, kind="layer")
     small = layer._replace(batch=1, n=64)
@@ -171,7 +171,7 @@ def test_the_memory_warm_up_takes_the_measured_sizes_code_paths(monkeypatch):
     shape: attngrad_mha, tiled there, warms up tiled (at the tiny size "auto" would pick the
     dense path and leave the compiled loops' BLAS and its buffers to the measured call)."""
     from attngrad.bench import contenders
-    from attngrad.core import fused
+    from attngrad.runtime import fused
 
     layer = Case(batch=4, heads=8, n=256, d=512, dtype="float32", causal=False, kind="layer")
     small = layer._replace(batch=1, n=64)
@@ -211,7 +211,7 @@ def test_the_workers_primer_runs_a_gemm_on_every_worker_without_numpys_blas(monk
     (the BLAS the tiled path's products call), NumPy's BLAS thread count untouched; without
     those loops, a NumPy GEMM on one BLAS thread."""
     from attngrad.bench import timing
-    from attngrad.core import fused, parallel
+    from attngrad.runtime import fused, parallel
 
     calls = []
     real = parallel.run_units

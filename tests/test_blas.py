@@ -1,4 +1,4 @@
-"""Which CBLAS the compiled tile loops call (core/_blas.py): MKL where the ``mkl`` wheel is
+"""Which CBLAS the compiled tile loops call (runtime/_blas.py): MKL where the ``mkl`` wheel is
 installed, else NumPy's own; ``ATTNGRAD_BLAS`` chooses.  Both give the same gradients
 (float64 rel <= 1e-10; float32 within the float32 rule's floor of each other)."""
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import attngrad as ag
-from attngrad.core import _blas, fused
+from attngrad.runtime import _blas, fused
 from conftest import assert_close_rel
 
 needs_numba = pytest.mark.skipif(not fused.numba_available(), reason="numba is not installed (the 'fast' extra)")

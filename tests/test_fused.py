@@ -1,4 +1,4 @@
-"""The fused kernels (core/fused.py, numba) against the NumPy code they replace: the tiled
+"""The fused kernels (runtime/fused.py, numba) against the NumPy code they replace: the tiled
 path's tile kernels and the dense path's row softmax and dS kernels.
 
 Both runs of each case go through ``sdpa_forward``; the NumPy one is forced with
@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 import attngrad as ag
-from attngrad.core import fused
-from attngrad.core.parallel import ENV_NO_PIN
 from attngrad.core.tiled import make_tiling
+from attngrad.runtime import fused
+from attngrad.runtime.parallel import ENV_NO_PIN
 from conftest import assert_close_rel
 
 needs_numba = pytest.mark.skipif(
@@ -380,7 +380,7 @@ def test_row_intervals_are_the_mask_rule(seed):
 
 @needs_numba
 def test_without_numpys_cblas_the_numpy_tile_loop_runs(monkeypatch):
-    """No CBLAS entry point found (core/_blas.py): the fused per-tile kernels still run in
+    """No CBLAS entry point found (runtime/_blas.py): the fused per-tile kernels still run in
     the NumPy tile loop, with the same results."""
     from attngrad.core.tiled import compiled_loops
 
@@ -395,7 +395,7 @@ def test_without_numpys_cblas_the_numpy_tile_loop_runs(monkeypatch):
 
 
 def test_cblas_lookup_finds_numpys_blas_or_says_none():
-    from attngrad.core._blas import cblas_gemm
+    from attngrad.runtime._blas import cblas_gemm
 
     found = cblas_gemm()
     assert found is None or (found.sgemm and found.dgemm and isinstance(found.ilp64, bool))
@@ -409,7 +409,7 @@ def test_column_sums_are_einsums_float64_sums(dtype, monkeypatch):
     row-by-row loop, and einsum's sums (bitwise where einsum walks rows too: row-major
     arrays, as the layers pass), for contiguous, strided, transposed and empty arrays;
     bias_grad takes it when numba is on and einsum when it is off."""
-    from attngrad.ops import bias_grad
+    from attngrad.runtime.ops import bias_grad
 
     rng = np.random.default_rng(5)
     big = (rng.standard_normal((300, 40)) * 10.0 ** rng.integers(-3, 4, (300, 40))).astype(dtype)

@@ -9,6 +9,8 @@ import pytest
 
 from attngrad.check.finite_diff import central_difference
 from attngrad.layers.norm import norm_backward, norm_forward
+from attngrad.layers.rmsnorm import rmsnorm_backward, rmsnorm_forward
+from attngrad.layers.swiglu import init_swiglu, swiglu_backward, swiglu_forward
 from attngrad.models import MODELS
 from attngrad.models.llama import (
     LlamaConfig,
@@ -16,8 +18,6 @@ from attngrad.models.llama import (
     llama_block_backward,
     llama_block_forward,
 )
-from attngrad.nn.rmsnorm import rmsnorm_backward, rmsnorm_forward
-from attngrad.nn.swiglu import init_swiglu, swiglu_backward, swiglu_forward
 from conftest import assert_close_rel, assert_gradcheck, directional_check
 
 torch = pytest.importorskip("torch")

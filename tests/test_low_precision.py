@@ -121,7 +121,7 @@ def test_float32_variants_within_twice_plain_torch(shape, variant, impl):
 @pytest.mark.parametrize("variant", ["softcap", "sinks", "alibi", "window", "causal", None])
 @pytest.mark.parametrize("shape", ["D59", "GQA", "Lk>>Lq", "Lq>>Lk"])
 def test_float32_compiled_tile_loops_within_twice_plain_torch(shape, variant):
-    """Without a bias the tiled path runs the compiled tile loops (core/_tiled_kernels.py,
+    """Without a bias the tiled path runs the compiled tile loops (runtime/_tiled_kernels.py,
     when numba is installed; else the NumPy tile loop): the same rule, every variant they take."""
     x, dout, kw, ref = _case(SHAPES[shape], None, variant, seed=7 + len(shape))
     _check(x, dout, kw, ref, "tiled", f"{shape} {variant} compiled tiled")

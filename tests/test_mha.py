@@ -297,7 +297,7 @@ def test_every_finite_real_scale_matches_autograd(scale, impl):
 
 
 def test_split_and_merge_heads_are_inverse_with_leading_axes():
-    from attngrad.ops import merge_heads, split_heads
+    from attngrad.runtime.ops import merge_heads, split_heads
 
     x = np.arange(5 * 2 * 3 * 12, dtype=float).reshape(5, 2, 3, 12)  # (n, B, L, heads*D)
     h = split_heads(np, x, 4)  # (n, B, 4, L, 3)
@@ -309,7 +309,7 @@ def test_split_and_merge_heads_are_inverse_with_leading_axes():
 
 
 def array_namespace(t):
-    from attngrad.core._xp import namespace
+    from attngrad.runtime._xp import namespace
 
     return namespace(t)
 
@@ -319,7 +319,7 @@ def array_namespace(t):
 def test_projection_and_weight_gradient(dtype, rows):
     """ops.project / ops.weight_grad, the one projection the layer and nn.linear share: the
     same single GEMM for every dtype stays within rounding of float64."""
-    from attngrad.ops import project, weight_grad
+    from attngrad.runtime.ops import project, weight_grad
 
     rng = np.random.default_rng(rows)
     x = rng.standard_normal((rows // 4 or 1, 4 if rows > 7 else rows, 64)).astype(dtype)
@@ -339,9 +339,9 @@ def test_projection_and_weight_gradient(dtype, rows):
 def test_the_layer_and_the_linear_layer_share_one_weight_gradient(monkeypatch):
     """The attention layer's four weight gradients and nn.linear's are (F2) of
     ops.weight_grad_product (through ops.weight_grad or ops.matmuls)."""
+    import attngrad.layers.linear as linear_mod
     import attngrad.layers.mha as mha_mod
-    import attngrad.nn.linear as linear_mod
-    import attngrad.ops as ops_mod
+    import attngrad.runtime.ops as ops_mod
 
     calls = []
     real = ops_mod.weight_grad_product
@@ -368,7 +368,7 @@ def test_projections_on_the_workers_match_torch_autograd(monkeypatch, flavor, bi
     """impl="tiled": the projections and their gradients run as pooled products
     (core.products; self-attention's three as one GEMM against [W_q W_k W_v] + the biases
     side by side), every gradient still autograd's."""
-    from attngrad.core import fused, products
+    from attngrad.runtime import fused, products
 
     if fused.products() is None:
         pytest.skip("the compiled loops (numba) are off")
@@ -426,7 +426,7 @@ def test_the_attention_cache_keeps_the_layers_merged_heads_as_its_o(dtype):
     plain sdpa_forward(out=...) keeps a copy of its own, which writing into ``out`` leaves
     alone; and the layer's gradients equal those of a layer whose core runs densely."""
     import attngrad as ag
-    from attngrad.core import fused
+    from attngrad.runtime import fused
 
     rng = np.random.default_rng(4)
     params = {n: p.astype(dtype) for n, p in init_mha_params(16, 4, bias=True, rng=rng).items()}
@@ -455,8 +455,8 @@ def test_projections_on_the_workers_copy_no_weights(monkeypatch, flavor):
     """On the workers the three projections and dX = dQ W_q^T + dK W_k^T + dV W_v^T are
     products added in one hand-out: the weights are never concatenated (that copy took
     0.3-0.9 ms per call at E = 512); the gradients still autograd's."""
-    from attngrad.core import fused, products
     from attngrad.layers import mha as mha_mod
+    from attngrad.runtime import fused, products
 
     if fused.products() is None:
         pytest.skip("the compiled loops (numba) are off")

@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
-from attngrad.nn import (  # noqa: E402
+from attngrad.layers import (  # noqa: E402
     activation_backward,
     activation_forward,
     cross_entropy_backward,
@@ -34,7 +34,7 @@ from attngrad.nn import (  # noqa: E402
     positional_forward,
     sinusoidal_table,
 )
-from attngrad.nn.blocks import BlockSpec  # noqa: E402
+from attngrad.layers.blocks import BlockSpec  # noqa: E402
 
 RNG = np.random.default_rng(1234)
 B, L, E = 2, 5, 6

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from attngrad.core import parallel
+from attngrad.runtime import parallel
 
 pytest.importorskip("threadpoolctl")  # without it run_units runs on one thread
 
@@ -190,7 +190,7 @@ def test_blas_threads_sets_the_count_and_restores_it():
 
 
 def test_wake_units_leaves_every_result_as_it_was():
-    from attngrad.core.parallel import run_units, wake_units
+    from attngrad.runtime.parallel import run_units, wake_units
 
     for threads, units in ((1, 4), (2, 1), (2, 8), (4, 3)):
         wake_units(threads, units)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from attngrad.core import fused, parallel, products
-from attngrad.core.parallel import ENV_NO_PIN
+from attngrad.runtime import fused, parallel, products
+from attngrad.runtime.parallel import ENV_NO_PIN
 
 compiled = pytest.mark.skipif(fused.products() is None, reason="the compiled loops (numba) are off")
 
@@ -222,8 +222,8 @@ def test_small_products_run_as_one_call_of_the_private_blas(dtype, trans_a, tran
     product and bitwise the same whatever NumPy's BLAS thread count; None (NumPy's turn)
     for larger products, other dtypes or array kinds, a mismatch, an empty inner size, or
     without a private BLAS.  ops.matmul takes it."""
-    from attngrad import ops
-    from attngrad.core.parallel import blas_threads
+    from attngrad.runtime import ops
+    from attngrad.runtime.parallel import blas_threads
 
     rng = np.random.default_rng(3)
     a, b = _operands(rng, 300, 40, 70, trans_a, trans_b, dtype)

@@ -273,7 +273,7 @@ def test_train_config_composes_adamw_config():
 def test_train_and_plots_do_not_import_each_other_and_blas_threads_is_cores():
     import ast
 
-    import attngrad.core.parallel as parallel
+    import attngrad.runtime.parallel as parallel
     import attngrad.train.loop as loop
     import attngrad.train.plots as plots
 

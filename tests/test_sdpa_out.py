@@ -255,7 +255,7 @@ def test_tiled_forward_writes_o_into_out_unless_it_overlaps_an_input(monkeypatch
     O copied in after (the right values either way)."""
     import sys
 
-    from attngrad.core import fused
+    from attngrad.runtime import fused
 
     sdpa_mod = sys.modules["attngrad.core.sdpa"]
     seen = []

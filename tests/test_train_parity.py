@@ -13,8 +13,8 @@ import pytest
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
+from attngrad.layers.dropout import dropout_mask  # noqa: E402
 from attngrad.models import MODELS  # noqa: E402
-from attngrad.nn.dropout import dropout_mask  # noqa: E402
 from attngrad.train import data as D  # noqa: E402
 from attngrad.train.loop import TrainConfig, loss_and_grads, train_step  # noqa: E402
 from attngrad.train.optim import AdamWConfig, adamw_init, lr_at  # noqa: E402

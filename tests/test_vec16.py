@@ -1,7 +1,7 @@
-"""The 16-lane softmax loops (core/_vec16.py) against the scalar code they stand for.
+"""The 16-lane softmax loops (runtime/_vec16.py) against the scalar code they stand for.
 
 A contiguous float32 row takes the 16-lane blocks and finishes its tail with the scalar
-code; a strided view of the same values takes the scalar code alone (core/_fused_kernels.py,
+code; a strided view of the same values takes the scalar code alone (runtime/_fused_kernels.py,
 ``_lanes16``).  Every value must be bitwise the scalar one (same operations, same
 roundings), with -inf (masked), +inf, NaN, underflow and overflow among the inputs; a row
 sum is the sixteen lane partials added in a fixed tree, then the tail in order, which the
@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from attngrad.core import fused
+from attngrad.runtime import fused
 
 pytestmark = pytest.mark.skipif(not fused.numba_available(), reason="numba is not installed (the 'fast' extra)")
 
@@ -22,7 +22,7 @@ LENGTHS = [0, 1, 15, 16, 17, 31, 32, 33, 40, 100, 512]
 
 @pytest.fixture(scope="module")
 def k():
-    from attngrad.core import _fused_kernels
+    from attngrad.runtime import _fused_kernels
 
     return _fused_kernels
 

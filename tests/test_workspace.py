@@ -7,7 +7,7 @@ import threading
 import numpy as np
 import pytest
 
-from attngrad.core import workspace
+from attngrad.runtime import workspace
 
 
 def test_a_key_reuses_its_buffer_and_keys_do_not_share():

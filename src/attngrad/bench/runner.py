@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..core.parallel import available_cores, check_threads
 from ..core.tiled import AUTO_TILED_MIN_ENTRIES  # impl="auto" keeps P below this many logits
 from ..resources import format_seconds, require_memory, require_time
+from ..runtime.parallel import available_cores, check_threads
 from .contenders import ATTENTION, REFERENCE, Case, contender, library, primer
 from .memory import measure
 from .timing import paired_ratios, summarize, time_round_robin

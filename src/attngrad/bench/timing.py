@@ -31,8 +31,8 @@ def _primer(kind: str) -> Callable[[], None]:
         return lambda: a @ a
     a = np.ones((256, 256), dtype=np.float32)
     if kind == "workers":
-        from ..core.fused import products
-        from ..core.parallel import available_cores, run_units
+        from ..runtime.fused import products
+        from ..runtime.parallel import available_cores, run_units
 
         found = products()
         if found is not None:
@@ -47,7 +47,7 @@ def _primer(kind: str) -> Callable[[], None]:
             return lambda: run_units(unit, n, n, blas=False)
         kind = "numpy_serial"  # no compiled loops: their workers run NumPy's BLAS on one thread
     if kind == "numpy_serial":
-        from ..core.parallel import blas_threads
+        from ..runtime.parallel import blas_threads
 
         def serial():
             with blas_threads(1):

@@ -6,7 +6,7 @@ import math
 import sys
 from pathlib import Path
 
-from ..core.parallel import blas_threads
+from ..runtime.parallel import blas_threads
 from ..train.sample import load_text_model, sample_text
 from .args import int_at_least, number_in
 

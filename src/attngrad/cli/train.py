@@ -5,10 +5,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ..core.parallel import blas_threads
 from ..distributed import trainrun
+from ..layers.activations import ACTIVATIONS
 from ..models import MODELS
-from ..nn.activations import ACTIVATIONS
+from ..runtime.parallel import blas_threads
 from ..train.data import TASKS
 from ..train.loop import RESUMABLE, TrainConfig, flat_fields, resolve_resume, stored_config, train
 from ..train.text import describe as describe_text

@@ -14,13 +14,13 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import fused
-from ._xp import Array
+from ..runtime import fused
+from ..runtime._xp import Array
+from ..runtime.parallel import exp_inplace
+from ..runtime.workspace import SEQUENTIAL, scratch
 from .dropout import keep_heads
 from .logits import alibi_grad_distance, form_logits, softcap_backward
-from .parallel import exp_inplace
 from .problem import Problem, SDPAShape, problem_views
-from .workspace import SEQUENTIAL, scratch
 
 
 @problem_views

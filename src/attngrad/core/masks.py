@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._xp import Array, check_array, check_broadcast, dtype_name, frozen_record
+from ..runtime._xp import Array, check_array, check_broadcast, dtype_name, frozen_record
 
 CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
 
@@ -131,7 +131,7 @@ class MaskSpec:
         attend exactly the keys lo[i] <= j <= hi[i] (none where hi[i] < lo[i]): the causal
         and window rules, and key padding whose present keys are a prefix (key_lengths).
         None for an explicit mask, packed segments or a key mask with gaps.  The compiled
-        tile loops (core/_tiled_kernels.py) take this form of the rule.  The arrays may be
+        tile loops (runtime/_tiled_kernels.py) take this form of the rule.  The arrays may be
         shared between calls (:func:`_positional_intervals`): they are read-only."""
         if self.mask is not None or self.q_seg is not None:
             return None

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ._xp import (
+from ..runtime._xp import (
     Array,
     check_array,
     check_broadcast,

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._xp import (
+from ..runtime._xp import (
     Array,
     check_array,
     check_float_dtypes,

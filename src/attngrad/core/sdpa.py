@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from ._xp import check_array, check_float_dtypes, dtype_name, namespace
+from ..runtime._xp import check_array, check_float_dtypes, dtype_name, namespace
 from .dense import (
     SDPACache,
     _dropped,

@@ -23,7 +23,7 @@ and adds into that head's dQ rows, which no other worker touches.  So one sweep 
 each tile's P and dS once and feeds all three gradients, deterministically.
 
 Work is split across units on Python threads, BLAS single-threaded in each
-(:mod:`attngrad.core.parallel`); every reduction runs in a fixed order, so results are
+(:mod:`attngrad.runtime.parallel`); every reduction runs in a fixed order, so results are
 bitwise identical whatever the thread count.  NumPy arrays only.
 """
 
@@ -35,15 +35,15 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import fused
-from ._xp import Array
+from ..runtime import fused
+from ..runtime._xp import Array
+from ..runtime.parallel import check_threads, run_units, wake_units
+from ..runtime.workspace import carved as workspace_views
 from .dense import dense_forward, reduce_to_shape
 from .dropout import keep_tile
 from .logits import alibi_grad_distance, form_logits, softcap_backward
 from .masks import MaskSpec
-from .parallel import check_threads, run_units, wake_units
 from .problem import Problem, problem_views
-from .workspace import carved as workspace_views
 
 # Default tiles (2 cores, float32, D=64, fwd + bwd against torch SDPA, round-robin,
 # `python benchmarks/tiles.py`; docs/performance.md): 256 x 512 without a causal rule or
@@ -118,7 +118,7 @@ class TiledCache(NamedTuple):
 def make_tiling(block_q=None, block_k=None, threads=None) -> Tiling:
     """Validated tile sizes and thread count (None = the problem's default tiles, see
     :func:`resolve_tiles` / every core); the fused kernels whenever
-    :func:`attngrad.core.fused.enabled` (numba installed and ``ATTNGRAD_NO_NUMBA`` unset),
+    :func:`attngrad.runtime.fused.enabled` (numba installed and ``ATTNGRAD_NO_NUMBA`` unset),
     else the NumPy code."""
     out = []
     for name, value in (("block_q", block_q), ("block_k", block_k)):

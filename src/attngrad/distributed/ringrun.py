@@ -91,7 +91,7 @@ def _peak_rss_mb() -> float:
 
 def run_rank(cfg: RingRunConfig, results: Path | None, *, timeout: float = 60.0, threads=None) -> dict:
     """This rank's part of the run (joins the group from the environment)."""
-    from ..core.parallel import blas_threads
+    from ..runtime.parallel import blas_threads
     from .launch import init_from_env, shutdown
     from .ring import ring_attention_backward, ring_attention_forward
 
@@ -123,7 +123,7 @@ def run_rank(cfg: RingRunConfig, results: Path | None, *, timeout: float = 60.0,
 def run_reference(cfg: RingRunConfig, threads=None) -> tuple[dict, dict]:
     """One process, the whole sequence, the tiled closed form: (results, record)."""
     from ..core import sdpa_backward, sdpa_forward
-    from ..core.parallel import blas_threads
+    from ..runtime.parallel import blas_threads
 
     tracemalloc.start()
     q, k, v, do = (make_full(cfg, n) for n in ("q", "k", "v", "dout"))

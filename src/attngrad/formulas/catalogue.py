@@ -14,8 +14,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..core._xp import resolve_scale
 from ..core.masks import make_mask_spec
+from ..runtime._xp import resolve_scale
 from .expr import (
     BatchSum,
     ColOnes,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..core.sdpa import masked_softmax
-from ..ops import merge_heads, split_heads
+from ..runtime.ops import merge_heads, split_heads
 
 # precedence: sums bind loosest, products tighter, atoms tightest
 _SUM, _PROD, _ATOM = 1, 2, 3

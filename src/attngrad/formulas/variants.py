@@ -23,10 +23,10 @@ from __future__ import annotations
 import numpy as np
 
 from ..check.cases import VARIANTS  # the one list of variant names (check --variant, derive, graph)
-from ..core._xp import resolve_scale
 from ..core.dense import softmax_with_sinks
 from ..core.dropout import dropout_mask
 from ..core.masks import make_mask_spec
+from ..runtime._xp import resolve_scale
 from .expr import (
     _ATOM,
     _PROD,

@@ -22,7 +22,7 @@ import functools
 import numpy as np
 
 from ..layers.mha import check_param_arrays, input_sources
-from ..ops import merge_heads
+from ..runtime.ops import merge_heads
 from . import memo
 from .columns import jacobian_to_columns, params_from_columns, to_rows
 from .jvp import (

@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..ops import merge_heads, split_heads, weight_grad
+from ..runtime.ops import merge_heads, split_heads, weight_grad
 from .jvp import (
     AttnJVP,
     _f64,

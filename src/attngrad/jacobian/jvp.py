@@ -26,7 +26,7 @@ import numpy as np
 from ..core.dense import softmax_with_sinks
 from ..core.problem import SDPAShape, make_problem
 from ..layers.mha import BIASES, WEIGHTS, check_inputs, check_params, input_sources
-from ..ops import merge_heads, project, split_heads
+from ..runtime.ops import merge_heads, project, split_heads
 from . import memo
 from .variants import (
     NO_VARIANTS,

@@ -1,5 +1,5 @@
 """The compiled row kernels of the closed-form Jacobians (:mod:`._kernels`), when numba
-is available and ``ATTNGRAD_NO_NUMBA`` is unset (the switch of :func:`attngrad.core.fused.enabled`).
+is available and ``ATTNGRAD_NO_NUMBA`` is unset (the switch of :func:`attngrad.runtime.fused.enabled`).
 
 At the sizes the Jacobian tools are for, the closed form's cost is its NumPy calls, not
 its flops: one kernel call forms the primal of every query row and writes that row's
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..core import fused
+from ..runtime import fused
 from .variants import LogitVariants
 
 _KERNELS = None  # the module :mod:`._kernels`, False when numba is missing

@@ -21,12 +21,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..core import fused, products
-from ..core._xp import Array, check_array, check_float_dtypes, dtype_name, namespace
 from ..core.sdpa import SDPACache, sdpa_backward, sdpa_forward
 from ..core.tiled import TiledCache, auto_rule
-from ..core.workspace import SEQUENTIAL, scratch
-from ..ops import (
+from ..runtime import fused, products
+from ..runtime._xp import Array, check_array, check_float_dtypes, dtype_name, namespace
+from ..runtime.ops import (
     bias_grad,
     matmul,
     matmuls,
@@ -36,6 +35,7 @@ from ..ops import (
     weight_grad,
     weight_grad_product,
 )
+from ..runtime.workspace import SEQUENTIAL, scratch
 from .qk_prep import NORM_WEIGHTS, QKPrepCache, check_qk_options, qk_prep_backward, qk_prep_forward
 
 WEIGHTS = ("W_q", "W_k", "W_v", "W_o")
@@ -261,7 +261,7 @@ def mha_forward(
 def _project_merged(x, ws, bs) -> tuple:
     """(M1) for the three projections of one NumPy input X (B, L, E) on the workers: X W_q +
     b_q, X W_k + b_k, X W_v + b_v side by side in one (B, L, sum widths) buffer, the three
-    products' row blocks in one hand-out (:func:`attngrad.core.products.matmuls`: one
+    products' row blocks in one hand-out (:func:`attngrad.runtime.products.matmuls`: one
     wake-up, no concatenation of the weights: 3 MB copied per call at E = 512 took 0.3 ms,
     0.9 ms after an idle spell, issue 13); the column blocks returned as views (B, L, width)."""
     B, L, n_in = x.shape
@@ -285,7 +285,7 @@ def _weights_side_by_side(ws) -> np.ndarray:
 def core_on_pool(xp, impl, batch: int, heads: int, lq: int, lk: int, *, causal, window,
                   plain: bool) -> bool:
     """Whether the attention core will run on the tiled path's workers, so that the
-    projections before it should too (:func:`attngrad.ops.matmul`'s ``pool``): with
+    projections before it should too (:func:`attngrad.runtime.ops.matmul`'s ``pool``): with
     impl="tiled", or "auto" where its size rule (:func:`attngrad.core.tiled.auto_rule`)
     picks the tiled path and the compiled loops take the problem (``plain``: no mask
     array, bias, dropout or segment ids, whose coverage only the core can tell; a wrong
@@ -381,7 +381,7 @@ def _merged_heads(xp, cache: MHACache, arrays: dict, roles_of: dict) -> dict:
     no QK-norm or RoPE between the core and the projections): ``{source: (buffer (B, L,
     sum of widths), {role: its columns seen as (B, heads, L, d)})}``; else ``{}``.
     ``arrays``: the layer's inputs by source name.  The
-    buffer is this call's temporary (:mod:`~attngrad.core.workspace`, its own key: it is
+    buffer is this call's temporary (:mod:`~attngrad.runtime.workspace`, its own key: it is
     alive while the core's dP is)."""
     if xp is not np or cache.qk is not None:
         return {}
@@ -399,7 +399,7 @@ def _merged_heads(xp, cache: MHACache, arrays: dict, roles_of: dict) -> dict:
 
 def _merged_buffer(key: str, B: int, L: int, heads: list, dtype) -> np.ndarray:
     """A (B, L, sum of heads*d) temporary for the merged heads of shapes ``heads`` [(heads,
-    d), ...]: the workspace buffer ``key`` (:mod:`~attngrad.core.workspace`), or a fresh one."""
+    d), ...]: the workspace buffer ``key`` (:mod:`~attngrad.runtime.workspace`), or a fresh one."""
     width = sum(h * d for h, d in heads)
     buf = scratch(key, (B, L, width), dtype)
     return np.empty((B, L, width), dtype=dtype) if buf is None else buf

@@ -1,7 +1,7 @@
 """Weight-only normalisation over the last axis: RMSNorm and LayerNorm without a bias
 (docs/equations.md, QN1-QN6).  One pair of functions serves the attention layer's per-head
 QK-norm (``mha_forward(..., qk_norm="rms" | "layer")``) and the Llama block's RMSNorm
-(nn/rmsnorm.py).
+(layers/rmsnorm.py).
 
     rms:    rstd = 1 / sqrt(mean(x^2) + eps),         xhat = x * rstd              (QN1)
     layer:  rstd = 1 / sqrt(mean((x - mu)^2) + eps),  xhat = (x - mu) * rstd       (QN2)
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from ..core._xp import (
+from ..runtime._xp import (
     Array,
     check_array,
     check_float_dtypes,

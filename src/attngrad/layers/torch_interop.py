@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from ..core._xp import check_float_dtypes, dtype_name, is_array
+from ..runtime._xp import check_float_dtypes, dtype_name, is_array
 from .mha import BIASES, WEIGHTS, check_dtype, check_param_arrays, check_params
 from .qk_prep import NORM_WEIGHTS
 

@@ -1,4 +1,4 @@
-"""Models built from attngrad.nn: encoder-decoder, decoder-only and Llama-style Transformers."""
+"""Models built from attngrad.layers: encoder-decoder, decoder-only and Llama-style Transformers."""
 
 from . import decoder_only, encdec, llama
 from .common import ModelConfig

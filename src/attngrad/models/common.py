@@ -12,12 +12,12 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..nn.blocks import BlockSpec, sub
-from ..nn.dropout import DropoutCache, check_p, dropout_backward, dropout_forward
-from ..nn.embedding import EmbeddingCache, embedding_backward, embedding_forward
-from ..nn.layernorm import LayerNormCache, layernorm_backward, layernorm_forward
-from ..nn.linear import LinearCache, linear_backward, linear_forward
-from ..nn.positional import positional_backward, positional_forward
+from ..layers.blocks import BlockSpec, sub
+from ..layers.dropout import DropoutCache, check_p, dropout_backward, dropout_forward
+from ..layers.embedding import EmbeddingCache, embedding_backward, embedding_forward
+from ..layers.layernorm import LayerNormCache, layernorm_backward, layernorm_forward
+from ..layers.linear import LinearCache, linear_backward, linear_forward
+from ..layers.positional import positional_backward, positional_forward
 
 
 def _positive(name, value):

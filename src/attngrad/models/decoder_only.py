@@ -14,15 +14,15 @@ from typing import NamedTuple
 import numpy as np
 
 from ..core.sdpa import attention_weights
-from ..nn.blocks import (
+from ..layers.blocks import (
     add_prefix,
     encoder_block_backward,
     encoder_block_forward,
     init_encoder_block,
     sub,
 )
-from ..nn.layernorm import init_layernorm
-from ..nn.linear import init_linear
+from ..layers.layernorm import init_layernorm
+from ..layers.linear import init_linear
 from .common import (
     EmbedCache,
     HeadCache,

@@ -5,7 +5,7 @@
     logits = head(y)                                              (B, Lt, V)
 
 Parameters: ``src_emb.W``, ``tgt_emb.W``, ``enc.{i}.*``, ``enc.ln.*``, ``dec.{i}.*``,
-``dec.ln.*``, ``out.W``, ``out.b`` (block names in :mod:`attngrad.nn.blocks`).
+``dec.ln.*``, ``out.W``, ``out.b`` (block names in :mod:`attngrad.layers.blocks`).
 Source padding (``pad_id``) is masked as keys of encoder self- and cross-attention.
 """
 
@@ -16,7 +16,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..core.sdpa import attention_weights
-from ..nn.blocks import (
+from ..layers.blocks import (
     add_prefix,
     decoder_block_backward,
     decoder_block_forward,
@@ -26,8 +26,8 @@ from ..nn.blocks import (
     init_encoder_block,
     sub,
 )
-from ..nn.layernorm import LayerNormCache, init_layernorm, layernorm_backward, layernorm_forward
-from ..nn.linear import init_linear
+from ..layers.layernorm import LayerNormCache, init_layernorm, layernorm_backward, layernorm_forward
+from ..layers.linear import init_linear
 from .common import (
     EmbedCache,
     HeadCache,

@@ -23,13 +23,13 @@ import numpy as np
 
 from ..core.rope import RoPE, check_base, check_layout
 from ..core.sdpa import attention_weights
+from ..layers.blocks import add_prefix, sub
+from ..layers.embedding import EmbeddingCache, embedding_backward, embedding_forward
+from ..layers.linear import LinearCache, init_linear, linear_backward, linear_forward
 from ..layers.mha import MHACache, init_mha_params, mha_backward, mha_forward
 from ..layers.norm import NormCache, check_eps, check_kind
-from ..nn.blocks import add_prefix, sub
-from ..nn.embedding import EmbeddingCache, embedding_backward, embedding_forward
-from ..nn.linear import LinearCache, init_linear, linear_backward, linear_forward
-from ..nn.rmsnorm import init_rmsnorm, rmsnorm_backward, rmsnorm_forward
-from ..nn.swiglu import SwiGLUCache, init_swiglu, swiglu_backward, swiglu_forward
+from ..layers.rmsnorm import init_rmsnorm, rmsnorm_backward, rmsnorm_forward
+from ..layers.swiglu import SwiGLUCache, init_swiglu, swiglu_backward, swiglu_forward
 from .common import greedy_decode
 
 

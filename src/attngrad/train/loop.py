@@ -20,11 +20,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..core.parallel import blas_threads  # noqa: F401 - defined once, in core; callers of train.loop use it
+from ..layers.loss import cross_entropy_backward, cross_entropy_forward
 from ..models import MODELS, ModelConfig
 from ..models.llama import LlamaConfig
-from ..nn.loss import cross_entropy_backward, cross_entropy_forward
 from ..resources import require_memory
+from ..runtime.parallel import blas_threads  # noqa: F401 - defined once, in core; callers of train.loop use it
 from . import data as D
 from . import plots as P
 from . import text as T

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..core import fused
+from ..runtime import fused
 
 
 @dataclass(frozen=True)
@@ -156,7 +156,7 @@ _KERNEL = None  # the compiled update, False when unavailable
 
 def _kernel():
     """:func:`._adamw_kernel.adamw_update` when the fused kernels are enabled (numba
-    importable, ``ATTNGRAD_NO_NUMBA`` unset, as :func:`attngrad.core.fused.enabled`), else None."""
+    importable, ``ATTNGRAD_NO_NUMBA`` unset, as :func:`attngrad.runtime.fused.enabled`), else None."""
     global _KERNEL
     if not fused.enabled():
         return None

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..layers.loss import cross_entropy_forward
 from ..models import MODELS
-from ..nn.loss import cross_entropy_forward
 from .data import N_SPECIAL, PAD
 
 BYTES = 256  # content symbols of a byte-level model

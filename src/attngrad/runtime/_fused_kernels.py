@@ -193,7 +193,7 @@ def exp_shift_sum(row, sh, zero):
 def online_row(row, m_i, l_i):
     """(FA3) on one row in place: m' = max(m, max row); row <- e^(row - m'), 0 where masked;
     returns (m', l e^(m - m') + rowsum, e^(m - m')).  Shared by :func:`online_softmax` and
-    the compiled forward (core/_tiled_kernels.py)."""
+    the compiled forward (runtime/_tiled_kernels.py)."""
     mx = _rowmax(row, m_i)
     zero = narrow(mx, 0.0)
     sh = mx if abs(mx) < np.inf else zero  # rows with nothing allowed yet: shift 0

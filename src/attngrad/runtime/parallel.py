@@ -96,7 +96,7 @@ def run_units(work: Callable[[int, int], None], n_units: int, threads: int, *, b
     < returned count) lets each worker own its scratch buffers; a worker the pool never
     got to runs no unit, so which worker ran a unit never changes a result.
     ``blas=False``: the units make no call into NumPy's BLAS (the compiled loops on MKL's
-    sequential layer, :func:`attngrad.core.fused.private_blas`), so its thread count is
+    sequential layer, :func:`attngrad.runtime.fused.private_blas`), so its thread count is
     left alone (setting and restoring it costs ~0.15 ms after an idle spell, issue 13).
     """
     workers = min(threads, n_units) if _controller() is not None else 1

@@ -8,7 +8,7 @@ backward:
     dW_gate = h^T da,  dW_up = h^T du,  dh = da W_gate^T + du W_up^T
 
 W_gate and W_up are (E, F), W_down (F, E); the products are the bias-free linears of
-nn/linear.py (F1-F3).
+layers/linear.py (F1-F3).
 """
 
 from __future__ import annotations

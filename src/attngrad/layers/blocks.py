@@ -23,11 +23,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..layers.mha import MHACache, init_mha_params, mha_backward, mha_forward
 from .activations import ActivationCache, activation_backward, activation_forward, check_activation
 from .dropout import DropoutCache, check_p, dropout_backward, dropout_forward
 from .layernorm import LayerNormCache, init_layernorm, layernorm_backward, layernorm_forward
 from .linear import LinearCache, init_linear, linear_backward, linear_forward
+from .mha import MHACache, init_mha_params, mha_backward, mha_forward
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..core import fused
+from ..runtime import fused
 
 
 class LayerNormCache(NamedTuple):

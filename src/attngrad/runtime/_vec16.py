@@ -27,7 +27,7 @@ W = 16  # lanes
 _F32, _F64, _I32 = ir.FloatType(), ir.DoubleType(), ir.IntType(32)
 _VF, _VD, _VI = ir.VectorType(_F32, W), ir.VectorType(_F64, W), ir.VectorType(_I32, W)
 
-# exp32's constants (Cephes expf), one source for the scalar code (core/_fused_kernels.py)
+# exp32's constants (Cephes expf), one source for the scalar code (runtime/_fused_kernels.py)
 # and the lanes here; each is rounded to float32 where it is used
 EXP_LOG2E, EXP_C1, EXP_C2 = 1.44269504, 0.693359375, -2.12194440e-4  # ln2 = C1 + C2, C1 exact in 9 bits
 EXP_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1,
@@ -59,7 +59,7 @@ _FMA_NAME = "llvm.fma.v16f32"
 
 
 def _exp16(builder, x):
-    """exp32 (core/_fused_kernels.py) on 16 lanes, operation for operation: the scalar
+    """exp32 (runtime/_fused_kernels.py) on 16 lanes, operation for operation: the scalar
     code's multiply-adds are the FMAs that its "contract" flag lets LLVM form there."""
     k = _fma(builder, x, _const(EXP_LOG2E), _const(EXP_ROUNDER))  # 1.5 * 2^23 + n, one rounding
     nf = builder.fsub(k, _const(EXP_ROUNDER))  # n, exact

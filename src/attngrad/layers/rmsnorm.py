@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..layers.norm import NormCache, norm_backward, norm_forward
+from .norm import NormCache, norm_backward, norm_forward
 
 
 def init_rmsnorm(dim: int, dtype="float64") -> dict:

@@ -7,7 +7,7 @@
     matmul        op(A) op(B) for 2-D arrays; pool=True: large NumPy ones on the tiled path's workers
     matmuls       several of them at once (one hand-out to those workers)
 
-Used by the attention layer (``layers/mha.py``), the affine layer (``nn/linear.py``), the
+Used by the attention layer (``layers/mha.py``), the affine layer (``layers/linear.py``), the
 closed-form JVPs/HVPs (``jacobian/``) and the formula catalogue (``formulas/expr.py``).
 Every function works in the namespace of the arrays it is given (NumPy, or PyTorch
 tensors through array-api-compat).  The attention core does not import this module.
@@ -19,8 +19,8 @@ import math
 
 import numpy as np
 
-from .core import fused, products
-from .core._xp import Array
+from . import fused, products
+from ._xp import Array
 
 _SUMMED = (np.dtype(np.float32), np.dtype(np.float64))  # the dtypes fused.column_sums takes
 
@@ -56,10 +56,10 @@ def matmul(xp, a: Array, b: Array, *, trans_a: bool = False, trans_b: bool = Fal
            pool: bool = False) -> Array:
     """op(A) op(B) for 2-D A, B, op = the transpose where asked (a flag, not a copy), with
     ``@``; with ``pool``, large NumPy products run on the tiled path's workers instead
-    (:func:`attngrad.core.products.matmul`), for callers whose attention runs there too
+    (:func:`attngrad.runtime.products.matmul`), for callers whose attention runs there too
     (no BLAS thread pool left spinning beside those workers); without, small NumPy ones
     run as one call of MKL's sequential layer where the ``mkl`` extra is installed
-    (:func:`attngrad.core.products.serial`).  Returns a new array."""
+    (:func:`attngrad.runtime.products.serial`).  Returns a new array."""
     if type(a) is np.ndarray:
         if pool:
             return products.matmul(a, b, trans_a=trans_a, trans_b=trans_b)
@@ -72,7 +72,7 @@ def matmul(xp, a: Array, b: Array, *, trans_a: bool = False, trans_b: bool = Fal
 def matmuls(xp, jobs, *, pool: bool = False) -> list:
     """:func:`matmul` of each ``(a, b, trans_a, trans_b)`` of ``jobs``, in order; with
     ``pool`` and NumPy arrays, in one hand-out to the tiled path's workers
-    (:func:`attngrad.core.products.matmuls`: one wake-up for all of them)."""
+    (:func:`attngrad.runtime.products.matmuls`: one wake-up for all of them)."""
     if pool and all(type(j[0]) is np.ndarray for j in jobs):
         return products.matmuls(jobs)
     return [matmul(xp, a, b, trans_a=ta, trans_b=tb) for a, b, ta, tb in jobs]

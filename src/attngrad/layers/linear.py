@@ -1,6 +1,6 @@
 """Affine layer y = x W + b, W of shape (in, out) (docs/training.md, F1-F3).
 
-The projection and its weight gradient are ``attngrad.ops.project`` / ``weight_grad``,
+The projection and its weight gradient are ``attngrad.runtime.ops.project`` / ``weight_grad``,
 shared with the attention layer.
 
     Y = X W + b                      (F1)
@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..ops import bias_grad, project, weight_grad
+from ..runtime.ops import bias_grad, project, weight_grad
 
 
 class LinearCache(NamedTuple):
