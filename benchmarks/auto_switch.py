@@ -2,8 +2,8 @@
 
 For each size, forward + backward of attngrad's dense path and its tiled path (default
 tiles; the compiled tile loops when numba is installed), float32, D=64, all cores.  Prints
-the best of ``--repeats`` rounds of medians and tiled/dense; `core/tiled.py`'s
-AUTO_COMPILED_* thresholds come from this table (docs/performance.md).
+the best of ``--repeats`` rounds of medians and tiled/dense; `attngrad.core.tiled`'s
+AUTO_COMPILED_* thresholds come from this table (docs/benchmarks.md).
 
     python benchmarks/auto_switch.py [--repeats 2]
 """

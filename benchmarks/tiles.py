@@ -1,8 +1,8 @@
 """Tile shapes of the tiled path against torch SDPA, forward and backward apart.
 
 One process, round-robin (torch, then each tile shape, every round; each call once untimed
-before its timed call), medians; float32, B=1, H=8, D=64, all cores.  `core/tiled.py`'s
-DEFAULT_BLOCK_* come from this table (docs/performance.md).
+before its timed call), medians; float32, B=1, H=8, D=64, all cores.  `attngrad.core.tiled`'s
+DEFAULT_BLOCK_* come from this table (docs/benchmarks.md).
 
     python benchmarks/tiles.py --n 1024 [--causal] [--rounds 21] [--tiles 128x256,256x512]
 """

@@ -1,6 +1,6 @@
 """Sliding-window attention on the tiled path: time against N at a fixed window.
 
-The tiled path skips every tile outside the band |pos(i) - j| <= window (issue 10), so with
+The tiled path skips every tile outside the band |pos(i) - j| <= window, so with
 a window of w keys forward + backward costs O(N w): doubling N should about double the
 time, where full causal attention quadruples it.  Contenders, round-robin: attngrad tiled
 with ``window=(w, 0)`` (causal sliding window, as Mistral) and, for scale, attngrad tiled

@@ -3,7 +3,8 @@
 ``NumpyAttention(mutant)`` is a hand-written explicit-protocol kernel (NumPy forward and
 closed-form backward); each ``mutant`` plants one bug that kernel authors really make.
 ``torch_sdpa`` and ``flash_func`` are correct plain-torch kernels in the sdpa and flash
-protocols.
+protocols.  ``TorchKernel(mutant)`` is an explicit-protocol kernel on torch autograd with
+every variant, whose ``HINT_MUTANTS`` plant the bugs the diagnosis names.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ MUTANTS = (
     "softmax_axis",  # softmax over the query axis
     "dq_random_order",  # dQ summed over key blocks in a random order
     "fp16_accum",  # a float32 kernel that computes in float16
+    "dv_fp16_accum",  # a float16 kernel (float32 arithmetic) whose dV = P^T dO is summed in float16
 )
 
 FEATURES = {"gqa", "dv", "mask", "padding", "fully_masked", "causal", "causal_top_left",
@@ -39,7 +41,9 @@ class NumpyAttention:
     def forward(self, q, k, v, *, scale, mask=None, key_lengths=None, causal=None, bias=None,
                 dropout_p=0.0, dropout_seed=None):
         dt = q.dtype.type
-        work = np.float16 if self.mutant == "fp16_accum" and dt == np.float32 else dt
+        work = np.float32 if dt == np.float16 else dt  # half inputs: float32 arithmetic, as kernels do
+        if self.mutant == "fp16_accum" and dt == np.float32:
+            work = np.float16
         B, H, Lq, _ = q.shape
         Hkv, Lk = k.shape[1], k.shape[2]
         heads = np.arange(H) % Hkv if self.mutant == "gqa_mod" else np.arange(H) // (H // Hkv)
@@ -85,6 +89,14 @@ class NumpyAttention:
         do = dout.astype(work)
         p, pd = c["p"], c["pd"]
         dvv = np.swapaxes(pd, -1, -2) @ do  # (B, H, Lk, Dv)
+        if self.mutant == "dv_fp16_accum" and c["dt"] == np.float16:
+            # a float16 accumulator over blocks of 16 queries (NumPy's own float16 matmul
+            # accumulates in float32, so the accumulator is rounded here by hand)
+            pt = np.swapaxes(pd, -1, -2)  # (B, H, Lk, Lq)
+            acc = np.zeros(dvv.shape, dtype=np.float16)
+            for i in range(0, pt.shape[-1], 16):
+                acc = (acc + pt[..., i:i + 16] @ do[..., i:i + 16, :]).astype(np.float16)
+            dvv = acc.astype(work)
         dp = do @ np.swapaxes(c["vv"], -1, -2)  # (B, H, Lq, Lk)
         rate, seed = c["dropout"]
         if rate:
@@ -194,3 +206,128 @@ flash_func.attngrad_features = {"gqa", "dv", "causal", "causal_bottom_right", "w
 correct = NumpyAttention()
 gqa_mod = NumpyAttention("gqa_mod")
 nan_masked_rows = NumpyAttention("nan_masked_rows")
+
+
+HINT_MUTANTS = (
+    "causal_swap",  # top-left and bottom-right causal exchanged
+    "sinks_sign",  # dsinks with the wrong sign
+    "gqa_one_head",  # dK, dV of a kv head taken from the first query head of its group only
+    "softcap_no_grad",  # the tanh derivative of the soft-cap forgotten
+    "sinks_ignored",  # the sinks left out of the softmax
+    "bias_ignored",  # the bias left out of the logits
+    "mask_leak",  # masks, padding and segments ignored
+    "dropout_transposed",  # the dropout mask drawn as (B, H, Lk, Lq) and transposed
+)
+
+
+class TorchKernel:
+    """An explicit-protocol kernel on torch autograd (float64 arithmetic for float64 inputs,
+    float32 otherwise), with every variant; ``mutant`` plants one of HINT_MUTANTS."""
+
+    attngrad_features = frozenset({"gqa", "dv", "mask", "padding", "fully_masked", "causal", "causal_top_left",
+                                   "causal_bottom_right", "bias", "bias_grad", "softcap", "sinks", "alibi",
+                                   "window", "segments", "dropout", "float64", "float32", "float16"})
+
+    def __init__(self, mutant: str | None = None):
+        assert mutant in (None, *HINT_MUTANTS), mutant
+        self.mutant = mutant
+
+    def forward(self, q, k, v, *, scale, mask=None, key_lengths=None, causal=None, bias=None,
+                softcap=None, sinks=None, alibi_slopes=None, window=None, q_segment_ids=None,
+                kv_segment_ids=None, dropout_p=0.0, dropout_seed=None):
+        import torch
+
+        dt = q.dtype
+        wt = torch.float64 if dt == np.float64 else torch.float32
+        leaf = {n: torch.from_numpy(np.asarray(a, np.float64)).to(wt).requires_grad_()
+                for n, a in (("q", q), ("k", k), ("v", v))}
+        if sinks is not None:
+            leaf["sinks"] = torch.from_numpy(np.asarray(sinks, np.float64)).to(wt).requires_grad_()
+        if bias is not None:
+            leaf["bias"] = torch.from_numpy(np.asarray(bias, np.float64)).to(wt).requires_grad_()
+        B, H, Lq, _ = q.shape
+        Hkv, Lk = k.shape[1], k.shape[2]
+        g = H // Hkv
+        if self.mutant == "gqa_one_head":  # every query head reads its own copy of K and V
+            kk = leaf["k"].repeat_interleave(g, dim=1).detach().requires_grad_()
+            vv = leaf["v"].repeat_interleave(g, dim=1).detach().requires_grad_()
+            head_leaves = (kk, vv)
+        else:
+            kk, vv = leaf["k"].repeat_interleave(g, dim=1), leaf["v"].repeat_interleave(g, dim=1)
+            head_leaves = None
+        s = (leaf["q"] @ kk.transpose(-1, -2)) * scale  # (B, H, Lq, Lk)
+        if softcap:
+            capped = softcap * torch.tanh(s / softcap)
+            s = s + (capped - s).detach() if self.mutant == "softcap_no_grad" else capped
+        align = causal
+        if causal and self.mutant == "causal_swap":
+            align = {"top_left": "bottom_right", "bottom_right": "top_left"}[causal]
+        off = Lk - Lq if align == "bottom_right" else 0
+        i = torch.arange(Lq)[:, None] + off
+        j = torch.arange(Lk)[None, :]
+        if bias is not None and self.mutant != "bias_ignored":
+            s = s + leaf["bias"]
+        if alibi_slopes is not None:
+            s = s - torch.from_numpy(np.asarray(alibi_slopes, np.float64)).to(wt)[:, None, None] * (i - j).abs()
+        allowed = torch.ones((B, H, Lq, Lk), dtype=torch.bool)
+        if causal:
+            allowed &= j <= i
+        if window is not None:
+            left, right = window
+            if left is not None:
+                allowed &= j >= i - left
+            if right is not None:
+                allowed &= j <= i + right
+        if self.mutant != "mask_leak":
+            if key_lengths is not None:
+                allowed &= torch.arange(Lk)[None, None, None, :] < torch.from_numpy(
+                    np.asarray(key_lengths))[:, None, None, None]
+            if mask is not None:
+                allowed &= torch.from_numpy(np.asarray(mask))
+            if q_segment_ids is not None:
+                qs, ks = torch.from_numpy(q_segment_ids), torch.from_numpy(kv_segment_ids)
+                allowed &= (qs[:, None, :, None] == ks[:, None, None, :])
+        s = s.masked_fill(~allowed, -float("inf"))
+        m = s.amax(dim=-1, keepdim=True).detach()
+        use_sinks = sinks is not None and self.mutant != "sinks_ignored"
+        if use_sinks:
+            sink = leaf["sinks"][None, :, None, None]
+            m = torch.maximum(m, sink.detach())
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        e = torch.exp(s - m)
+        z = e.sum(dim=-1, keepdim=True)
+        if use_sinks:
+            z = z + torch.exp(sink - m)
+        p = e / torch.where(z > 0, z, torch.ones_like(z))
+        if dropout_p:
+            import attngrad
+
+            if self.mutant == "dropout_transposed":
+                keep = np.swapaxes(np.asarray(attngrad.dropout_mask(dropout_seed, (B, H, Lk, Lq), dropout_p)), -1, -2)
+            else:
+                keep = np.asarray(attngrad.dropout_mask(dropout_seed, (B, H, Lq, Lk), dropout_p))
+            p = p * torch.from_numpy(np.ascontiguousarray(keep)).to(wt) / (1 - dropout_p)
+        out = p @ vv
+        ctx = {"out": out, "leaf": leaf, "heads": head_leaves, "g": g, "dt": dt}
+        return out.detach().numpy().astype(dt), ctx
+
+    def backward(self, dout, ctx):
+        import torch
+
+        leaf, out = ctx["leaf"], ctx["out"]
+        names = [n for n in leaf if leaf[n].requires_grad]
+        wrt = [leaf[n] for n in names]
+        if ctx["heads"] is not None:
+            wrt += list(ctx["heads"])
+        grads = torch.autograd.grad(out, wrt, torch.from_numpy(np.asarray(dout, np.float64)).to(out.dtype),
+                                    allow_unused=True)
+        got = {n: (torch.zeros_like(leaf[n]) if gr is None else gr) for n, gr in zip(names, grads, strict=False)}
+        if ctx["heads"] is not None:  # dK, dV of each kv head from the first query head of its group
+            dkk, dvv = grads[-2], grads[-1]
+            got["k"], got["v"] = dkk[:, ::ctx["g"]], dvv[:, ::ctx["g"]]
+        if self.mutant == "sinks_sign" and "sinks" in got:
+            got["sinks"] = -got["sinks"]
+        return {n: gr.detach().numpy().astype(ctx["dt"]) for n, gr in got.items()}
+
+
+causal_swap_kernel = TorchKernel("causal_swap")

@@ -1,8 +1,9 @@
 """Shared helpers of the attention tests: random cases, mask kinds as plain data, errors.
 
 Masks are produced here as plain data (bool arrays, lengths, a causal alignment); the
-library gets them as arguments and the oracle (tests/reference.py) builds its own
-structure from the same data.
+library gets them as arguments and the oracle (tests/oracle.py) builds its own
+structure from the same data.  The comparison helpers below import nothing from attngrad
+(the library under test); tests/test_compare.py checks that they fail on planted differences.
 """
 
 from __future__ import annotations
@@ -11,9 +12,6 @@ import os
 
 import numpy as np
 from hypothesis import HealthCheck, settings
-
-from attngrad.check.finite_diff import ATOL, EPS, RTOL, gradcheck_close
-from attngrad.check.runner import REL_FLOOR, errors
 
 # Hypothesis: no deadline (the first call of a test pays for imports), a moderate number
 # of examples so the whole attention suite stays well under a minute on one thread.
@@ -24,6 +22,8 @@ settings.register_profile("attngrad-long", deadline=None, max_examples=500)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "attngrad"))
 
 REL_TOL = 1e-10  # closed form vs autograd / the reference, float64
+REL_FLOOR = 1e-4  # relative errors are floored at this fraction of the case's largest value
+EPS, ATOL, RTOL = 1e-6, 1e-5, 1e-3  # central differences; torch.autograd.gradcheck's criterion
 
 # Mask kinds of the parametrised grids: "+" combines parts by AND.
 MASK_KINDS = (
@@ -102,6 +102,42 @@ def attention_inputs(rng, batch, heads, kv_heads, lq, lk, d, dv, dtype=np.float6
         "v": rng.standard_normal((batch, kv_heads, lk, dv)).astype(dtype),
         "dout": rng.standard_normal((batch, heads, lq, dv)).astype(dtype),
     }
+
+
+def errors(got, ref, floor: float = 0.0) -> tuple[float, float]:
+    """(max abs err, max rel err) with rel = max|a - r| / max(max|r|, floor) (0 for empty arrays).
+
+    A NaN anywhere in either array gives NaN errors (which fail every ``<=`` test).
+    """
+    a, r = np.asarray(got, dtype=np.float64), np.asarray(ref, dtype=np.float64)
+    if a.shape != r.shape:
+        raise ValueError(f"shapes differ: {a.shape} vs {r.shape}")
+    if a.size == 0:
+        return 0.0, 0.0
+    diff = np.abs(a - r)
+    abs_err = float("nan") if np.isnan(diff).any() else float(np.max(diff))
+    scale = max(float(np.max(np.abs(r))), floor)
+    if scale > 0:
+        return abs_err, abs_err / scale
+    return abs_err, (0.0 if abs_err == 0 else float("inf"))
+
+
+def gradcheck_close(analytic, numeric, atol: float = ATOL, rtol: float = RTOL) -> bool:
+    """torch.autograd.gradcheck's elementwise criterion |a - n| <= atol + rtol |n| (NaN fails)."""
+    a, n = np.asarray(analytic, dtype=np.float64), np.asarray(numeric, dtype=np.float64)
+    return bool(np.all(np.abs(a - n) <= atol + rtol * np.abs(n)))
+
+
+def central_difference(loss, x, eps: float = EPS) -> np.ndarray:
+    """Numerical gradient of a scalar ``loss`` at ``x`` (float64), one element at a time;
+    ``x`` itself is never written into."""
+    x = np.array(x, dtype=np.float64)
+    grad = np.zeros_like(x)
+    for idx in np.ndindex(x.shape):
+        step = np.zeros_like(x)
+        step[idx] = eps
+        grad[idx] = (loss(x + step) - loss(x - step)) / (2 * eps)
+    return grad
 
 
 def assert_close_rel(got: dict, ref: dict, tol: float = REL_TOL, what: str = "") -> None:

@@ -8,7 +8,7 @@ import pytest
 
 from attngrad import init_mha_params, mha_backward, mha_forward, sdpa_backward, sdpa_forward
 from conftest import MASK_KINDS, assert_close_rel, attention_inputs, mask_data
-from reference import allowed_structure, torch_attention_grads
+from oracle import allowed_structure, torch_attention_grads
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("array_api_compat")

@@ -12,6 +12,8 @@ import pytest
 from attngrad.bench import Case, measure, paired_ratios
 from attngrad.cli.main import main
 
+pytestmark = pytest.mark.slow  # the fast tier (-m 'not slow') leaves this file out
+
 pytest.importorskip("torch")
 
 

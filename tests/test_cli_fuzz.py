@@ -18,6 +18,8 @@ import pytest
 
 from attngrad.cli.main import main
 
+pytestmark = pytest.mark.slow  # the fast tier (-m 'not slow') leaves this file out
+
 TIMEOUT = 60  # seconds: every refusal comes long before this
 
 # Arguments put first, so that a bad set that were wrongly accepted would finish quickly

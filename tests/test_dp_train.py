@@ -35,7 +35,7 @@ def flags() -> list[str]:
 def _kill_worker(out: Path) -> None:
     """One rank of a run in which rank 1 dies by SIGKILL after step KILL_AT."""
     from attngrad.distributed import DistributedError
-    from attngrad.distributed.dp import train_data_parallel
+    from attngrad.train.dp import train_data_parallel
     from attngrad.train.loop import Hooks, TrainConfig
 
     rank = int(os.environ["RANK"])
@@ -135,7 +135,7 @@ if __name__ != "__main__":
 
     @pytest.mark.parametrize("world", [1, 2, 3, 5, 8])
     def test_every_row_goes_to_exactly_one_rank(world):
-        from attngrad.distributed.dp import DataParallel
+        from attngrad.train.dp import DataParallel
 
         batch = {"src": np.arange(8 * 3).reshape(8, 3), "tgt": np.arange(8)}
         parts = []
@@ -150,7 +150,7 @@ if __name__ != "__main__":
 
     def test_rank_command_line_keeps_the_options():
         from attngrad.cli.main import build_parser
-        from attngrad.distributed.trainrun import rank_argv
+        from attngrad.cli.train_dp import rank_argv
 
         args = build_parser().parse_args(["train", *flags(), "--out", "o", "--nproc", "2", "--resume",
                                           "--dist-timeout", "7.5", "--port", "1234"])

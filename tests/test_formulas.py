@@ -15,7 +15,7 @@ from attngrad import init_mha_params, mha_backward, mha_forward
 from attngrad.formulas import FLAVORS, catalogue, derive_document, evaluate_catalogue, layer_env
 from attngrad.formulas.expr import Einsum, Sym
 from conftest import assert_close_rel
-from reference import allowed_structure, torch_mha
+from oracle import allowed_structure, torch_mha
 
 torch = pytest.importorskip("torch")
 

@@ -13,13 +13,8 @@ from hypothesis import strategies as st
 
 from attngrad.core import masks
 from attngrad.core.masks import MaskSpec, make_mask_spec
+from attngrad.core.options import OPTION_NAMES, AttentionOptions, attention_options
 from attngrad.core.problem import Problem, make_problem, validate_qkv
-
-OPTIONS = {  # make_problem's variant keywords at their off values
-    "bias": None, "softcap": None, "sinks": None, "alibi_slopes": None, "window": None,
-    "q_segment_ids": None, "kv_segment_ids": None, "dropout_p": 0.0, "dropout_seed": None,
-    "scale_grad": False,
-}
 
 
 @settings(max_examples=80, deadline=None)
@@ -45,10 +40,8 @@ def test_both_key_padding_forms_agree_on_every_integer_dtype(monkeypatch, fill):
         np.testing.assert_array_equal(keys, np.arange(5)[None, :] < lengths.astype(np.int64)[:, None])
 
 
-def _problem(q, k, v, **kw):
-    opts = {**OPTIONS, **kw}
-    return make_problem(np, q, k, v, mask=opts.pop("mask", None), key_lengths=opts.pop("key_lengths", None),
-                        key_mask=None, causal=opts.pop("causal", False), scale=opts.pop("scale", None), **opts)
+def _problem(q, k, v, shape=None, **kw):
+    return make_problem(np, q, k, v, AttentionOptions(**kw), shape=shape)
 
 
 CASES = [
@@ -100,3 +93,24 @@ def test_a_checked_shape_gives_the_same_problem(kw):
             np.testing.assert_array_equal(x, y)
         else:
             assert x == y
+
+
+def test_the_options_record_names_every_keyword_of_sdpa_forward():
+    """OPTION_NAMES is sdpa_forward's keyword options in its order (besides how it runs:
+    impl, tiles, threads, out); the fast build equals the generated __init__'s record."""
+    import inspect
+
+    from attngrad import sdpa_forward
+
+    run = ("impl", "block_q", "block_k", "threads", "out")
+    kw = [n for n, p in inspect.signature(sdpa_forward).parameters.items() if p.kind is p.KEYWORD_ONLY]
+    assert tuple(n for n in kw if n not in run) == OPTION_NAMES
+    assert [n for n in kw if n in run] == list(run)
+    defaults = {n: inspect.signature(sdpa_forward).parameters[n].default for n in OPTION_NAMES}
+    assert AttentionOptions().as_dict() == defaults
+    fast = attention_options(causal=True, dropout_p=0.5, dropout_seed=3)
+    assert fast.values() == AttentionOptions(causal=True, dropout_p=0.5, dropout_seed=3).values()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.causal = False
+    with pytest.raises(TypeError, match="casual"):
+        attention_options(casual=True)

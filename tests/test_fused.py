@@ -244,16 +244,13 @@ def test_without_numba_the_numpy_code_runs(monkeypatch):
 
 
 def test_auto_prefers_tiled_for_causal_problems_of_several_tiles(monkeypatch):
+    from attngrad.core.options import AttentionOptions
     from attngrad.core.problem import make_problem
     from attngrad.core.tiled import choose_impl
 
-    none = dict(mask=None, key_lengths=None, key_mask=None, bias=None, scale=None, softcap=None,
-                sinks=None, alibi_slopes=None, window=None, q_segment_ids=None,
-                kv_segment_ids=None, dropout_p=0.0, dropout_seed=None, scale_grad=False)
-
     def problem(n, heads, **kw):
         q = np.zeros((1, heads, n, 8), dtype=np.float32)
-        return make_problem(np, q, q, q, **{**none, "causal": False, **kw})
+        return make_problem(np, q, q, q, AttentionOptions(**kw))
 
     assert choose_impl(np, problem(1024, 2, causal=True)) == "tiled"
     assert choose_impl(np, problem(1024, 2, window=(64, 0))) == "tiled"

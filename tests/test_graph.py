@@ -30,7 +30,7 @@ def test_edges_carry_the_catalogue_formulas(flavor):
     assert labels[("O_h", "V_h")] == "(A4) dV_h = P_hᵀ dO_h"
     assert labels[("L", "Y")] == "(L1) dY = G"
     if flavor == "cross":
-        assert labels[("K", "M")] == "(M9) dM += dK (W^K)ᵀ"
+        assert labels[("K", "M")] == "(M10) dM += dK (W^K)ᵀ"
         assert labels[("Q", "X")] == "(M8) dX = dQ (W^Q)ᵀ"
     else:
         assert labels[("V", "X")] == "(M9) dX += dV (W^V)ᵀ"

@@ -1,7 +1,7 @@
 """Closed-form Hessian-vector products (H1)-(H9) == PyTorch double backward (float64, rel <= 1e-10).
 
 Reference: torch.autograd.grad(create_graph=True) then the gradient of <grad, v>, on the
-plain torch reference of tests/reference.py (PyTorch's fused attention kernels refuse
+plain torch reference of tests/oracle.py (PyTorch's fused attention kernels refuse
 double backward; the plain ops do not).  Losses: L = <G, out> (G random) and
 L = ½‖out − T‖².  The first-order part must equal the library's closed-form backward.
 """
@@ -14,7 +14,7 @@ import pytest
 from attngrad import init_mha_params, mha_backward, mha_forward, sdpa_backward, sdpa_forward
 from attngrad.jacobian import mha_hvp, sdpa_hvp
 from conftest import assert_close_rel, attention_inputs, mask_data
-from reference import allowed_structure, torch_attention, torch_mha
+from oracle import allowed_structure, torch_attention, torch_mha
 
 torch = pytest.importorskip("torch")
 

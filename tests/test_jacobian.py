@@ -20,7 +20,7 @@ from attngrad.jacobian import (
     to_columns,
 )
 from conftest import assert_close_rel, attention_inputs, mask_data
-from reference import allowed_structure, torch_attention, torch_mha
+from oracle import allowed_structure, torch_attention, torch_mha
 
 torch = pytest.importorskip("torch")
 jacrev, jacfwd = torch.func.jacrev, torch.func.jacfwd

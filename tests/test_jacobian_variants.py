@@ -11,7 +11,7 @@ from attngrad.jacobian import mha_hvp, mha_jacobian, mha_jvp, sdpa_hvp, sdpa_jac
 from attngrad.layers.mha import init_mha_params
 
 torch = pytest.importorskip("torch")
-import torch_variants_reference as ref  # noqa: E402  (tests/, an independent torch reference)
+import oracle as ref  # noqa: E402  (tests/oracle.py, the float64 oracle)
 
 REL = 1e-10
 B, H, HKV, LQ, LK, D, DV = 2, 4, 2, 3, 5, 3, 2

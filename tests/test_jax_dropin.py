@@ -1,7 +1,7 @@
 """attngrad.jax: dot_product_attention equals JAX's, and its custom_vjp passes check_grads.
 
 Two oracles, neither sharing code with attngrad: the tests' float64 attention
-(tests/reference.py, torch autograd) on a mask structure built here from JAX's
+(tests/oracle.py, torch autograd) on a mask structure built here from JAX's
 conventions, held to rel <= 1e-10; and
 jax.nn.dot_product_attention itself, which computes its softmax in float32 even for float64
 inputs, so it is held to float32's tolerance.
@@ -20,7 +20,9 @@ from jax.test_util import check_grads  # noqa: E402
 
 pytest.importorskip("torch")  # the float64 oracle differentiates with torch autograd
 from attngrad.jax import dot_product_attention  # noqa: E402
-from reference import torch_attention_grads  # noqa: E402
+from oracle import torch_attention_grads  # noqa: E402
+
+pytestmark = pytest.mark.slow  # the fast tier (-m 'not slow') leaves this file out
 
 REL = 1e-10  # closed form vs autodiff, float64
 
@@ -57,7 +59,7 @@ def allowed_structure(b, n, t, s_len, *, mask=None, is_causal=False, query_seq_l
 
 
 def reference(q, k, v, bias=None, u=None, *, scale=None, **masks):
-    """(out, grads of sum(out * u)) by the tests' float64 oracle (tests/reference.py, torch
+    """(out, grads of sum(out * u)) by the tests' float64 oracle (tests/oracle.py, torch
     autograd), in JAX's layout (B, T, N, H); a query row with no key gives 0."""
     b, t, n, _ = q.shape
     bias_shape = None if bias is None else np.shape(bias)

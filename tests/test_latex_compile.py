@@ -15,6 +15,8 @@ import pytest
 from attngrad.cli.main import main
 from attngrad.formulas import FLAVORS
 
+pytestmark = pytest.mark.slow  # the fast tier (-m 'not slow') leaves this file out
+
 PDFLATEX = shutil.which("pdflatex")
 
 

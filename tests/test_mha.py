@@ -18,7 +18,7 @@ from attngrad import init_mha_params, mha_backward, mha_forward, params_from_tor
 from attngrad.check.finite_diff import central_difference
 from attngrad.layers import key_mask_from_torch
 from conftest import assert_close_rel, assert_gradcheck, mask_data
-from reference import allowed_structure, torch_mha
+from oracle import allowed_structure, torch_mha
 
 torch = pytest.importorskip("torch")
 
@@ -340,7 +340,7 @@ def test_the_layer_and_the_linear_layer_share_one_weight_gradient(monkeypatch):
     """The attention layer's four weight gradients and nn.linear's are (F2) of
     ops.weight_grad_product (through ops.weight_grad or ops.matmuls)."""
     import attngrad.layers.linear as linear_mod
-    import attngrad.layers.mha as mha_mod
+    import attngrad.layers.mha_bwd as mha_mod
     import attngrad.runtime.ops as ops_mod
 
     calls = []
@@ -401,6 +401,7 @@ def test_projections_on_the_workers_match_torch_autograd(monkeypatch, flavor, bi
 def test_the_layers_guess_of_the_core_path_is_the_cores_choice(batch, causal, extra):
     """impl="auto": the projections go to the workers when the layer expects the core there
     (layers.mha.core_on_pool); for inputs it can judge, that is the core's own choice."""
+    from attngrad.core.options import AttentionOptions
     from attngrad.core.tiled import TiledCache
     from attngrad.layers.mha import core_on_pool
 
@@ -411,12 +412,11 @@ def test_the_layers_guess_of_the_core_path_is_the_cores_choice(batch, causal, ex
     kwargs = {"causal": causal}
     if extra:
         kwargs["bias"] = np.zeros((1, heads, length, length), np.float32)
-    guess = core_on_pool(np, "auto", batch, heads, length, length, causal=causal, window=None,
-                          plain=not extra)
+    guess = core_on_pool(np, "auto", (batch, heads, length, length), AttentionOptions(**kwargs))
     _, cache = mha_forward(params, x, num_heads=heads, **kwargs)
     assert guess == isinstance(cache.attn, TiledCache)
-    assert core_on_pool(np, "tiled", 1, 1, 1, 1, causal=False, window=None, plain=True)
-    assert not core_on_pool(np, "dense", batch, heads, length, length, causal=False, window=None, plain=True)
+    assert core_on_pool(np, "tiled", (1, 1, 1, 1), AttentionOptions())
+    assert not core_on_pool(np, "dense", (batch, heads, length, length), AttentionOptions())
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -455,7 +455,7 @@ def test_projections_on_the_workers_copy_no_weights(monkeypatch, flavor):
     """On the workers the three projections and dX = dQ W_q^T + dK W_k^T + dV W_v^T are
     products added in one hand-out: the weights are never concatenated (that copy took
     0.3-0.9 ms per call at E = 512); the gradients still autograd's."""
-    from attngrad.layers import mha as mha_mod
+    from attngrad.layers import mha_bwd as mha_mod
     from attngrad.runtime import fused, products
 
     if fused.products() is None:

@@ -10,7 +10,7 @@ import torch
 
 import attngrad as ag
 from conftest import assert_close_rel
-from torch_variants_reference import attention, structure
+from oracle import attention, keep_mask, structure
 
 
 def _torch_layer(p, x, m, H, Hkv, opts, ref):
@@ -55,7 +55,7 @@ def test_layer_with_learned_sinks_slopes_and_variants_matches_torch(flavor, impl
     dy = rng.standard_normal(y.shape)
     din, dp = ag.mha_backward(dy, cache)
     ref = {"allowed": structure(B, H, Lq, Lk, causal=causal, window=(3, 2), q_seg=qs, kv_seg=ks),
-           "offset": 0 if causal else Lk - Lq, "keep": ag.dropout_mask(3, (B, H, Lq, Lk), 0.2)}
+           "offset": 0 if causal else Lk - Lq, "keep": keep_mask(3, (B, H, Lq, Lk), 0.2)}
     ty, t, tx, tm, tb = _torch_layer(p, x, m, H, Hkv, opts, ref)
     (ty * torch.tensor(dy)).sum().backward()
     want = {"y": ty.detach().numpy(), "bias": tb.grad.numpy(), "query": tx.grad.numpy(),

@@ -12,7 +12,7 @@ import pytest
 
 from attngrad import RoPE, init_mha_params, mha_backward, mha_forward
 from conftest import assert_close_rel, directional_check, mask_data
-from reference import allowed_structure, torch_attention
+from oracle import allowed_structure, torch_attention
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional

@@ -27,6 +27,8 @@ from attngrad.report.html import page
 from attngrad.report.mathml import tex_atoms
 from attngrad.report.svg import heatmap, line_chart, png_bytes
 
+pytestmark = pytest.mark.slow  # the fast tier (-m 'not slow') leaves this file out
+
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (scripts/test installs it)")
 
@@ -275,3 +277,54 @@ def test_report_without_torch_or_graphviz_says_so(tmp_path, capsys, monkeypatch)
     html = out.read_text()
     assert "torch autograd" not in html and "finite differences" in html and "all passed" in html
     assert "is not installed, so the graph is not drawn" in html
+
+
+# ---------------------------------------------------------------- issue 35: readable defaults
+
+
+@pytest.mark.parametrize("flavor", FLAVORS)
+def test_default_case_has_no_empty_sequence(flavor):
+    from attngrad.check import build_case
+    from attngrad.report.flavor import default_seed
+
+    seed = default_seed(flavor)
+    kl = build_case(flavor, CheckConfig(flavors=(flavor,), seed=seed)).masks.key_lengths
+    assert kl is None or kl.min() > 0
+    assert default_seed("cross") == 1  # seed 0 pads sequence 1 of cross-attention to key length 0
+
+
+def test_page_reads_in_order_and_fits(cross_page):
+    html = cross_page
+    assert "seed 1, key lengths [7, 6]" in html and "key length 0" not in html
+    # the symbol table folds, so the first equation comes before any symbol row is shown
+    assert html.index('<details class="symbols">') < html.index('<div class="sym">') < html.index('<div class="eq">')
+    assert ".graph svg { max-width: 100%" in html and "overflow-x: auto; border" not in html
+    # the numeric walkthrough is a section of the page, equal to derive --numeric's
+    from attngrad.formulas import numeric_walkthrough
+
+    assert "Numbers you can follow" in html and numeric_walkthrough("cross").html() in html
+
+
+def test_p_heatmap_scale_is_its_own_range():
+    from attngrad.report.svg import heatmap
+
+    p = np.full((4, 5), 0.2)
+    p[0, 0] = 0.4
+    svg = heatmap(p, title="P", xlabel="j", ylabel="i", kind="sequential", vmin=0.0, vmax=float(p.max()))
+    assert ">0.4<" in svg and ">1<" not in svg
+
+
+@pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz's dot is not installed")
+def test_graph_fits_a_page(tmp_path):
+    import re
+    import struct
+
+    from attngrad.formulas import write_graph
+    from attngrad.report.flavor import graph_svg
+
+    for flavor in FLAVORS:
+        width_pt = float(re.search(r'<svg width="([0-9.]+)pt"', graph_svg(flavor)).group(1))
+        assert width_pt < 1400, (flavor, width_pt)  # was 2599 pt
+    write_graph("self", tmp_path / "g.png")
+    w, _ = struct.unpack(">II", (tmp_path / "g.png").read_bytes()[16:24])
+    assert w < 1900, w  # was 3465 px

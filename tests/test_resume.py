@@ -21,6 +21,8 @@ from attngrad.train.checkpoint import list_checkpoints, load_checkpoint
 from attngrad.train.loop import TrainConfig, read_metrics, train
 from attngrad.train.optim import AdamWConfig
 
+pytestmark = pytest.mark.slow  # the fast tier (-m 'not slow') leaves this file out
+
 CFG = TrainConfig(task="reverse", model="encdec", steps=24, batch_size=8, symbols=6, min_len=3, max_len=5,
                   dim=16, heads=2, ffn=32, layers=1, dropout=0.1, optim=AdamWConfig(warmup=4), eval_every=12,
                   eval_size=16,

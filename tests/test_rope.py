@@ -10,8 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from attngrad import rope_backward, rope_forward
-from attngrad.check.finite_diff import central_difference
-from conftest import assert_close_rel, assert_gradcheck
+from conftest import assert_close_rel, assert_gradcheck, central_difference
 
 torch = pytest.importorskip("torch")
 

@@ -13,7 +13,7 @@ import pytest
 
 from attngrad import sdpa, sdpa_backward, sdpa_forward
 from conftest import MASK_KINDS, assert_close_rel, attention_inputs, bias_array, mask_data
-from reference import (
+from oracle import (
     allowed_structure,
     attention_backward,
     attention_forward,

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 from attngrad import sdpa, sdpa_backward, sdpa_forward
-from attngrad.check.finite_diff import central_difference
 from conftest import (
     MASK_KINDS,
     assert_gradcheck,
     attention_inputs,
     bias_array,
+    central_difference,
     directional_check,
     mask_data,
 )

@@ -2,7 +2,7 @@
 
 Shapes include empty batches, heads and lengths, length 1 and odd lengths; masks are
 random (any density, fully masked rows included) and combine a bool mask, key padding and
-either causal alignment.  The oracle is the plain reference of tests/reference.py.
+either causal alignment.  The oracle is the plain reference of tests/oracle.py.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from attngrad import sdpa, sdpa_backward, sdpa_forward
 from conftest import assert_close_rel
-from reference import allowed_structure, attention_backward, attention_forward
+from oracle import allowed_structure, attention_backward, attention_forward
 
 
 class Case(NamedTuple):

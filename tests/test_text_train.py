@@ -14,6 +14,8 @@ from attngrad.cli.main import main
 from attngrad.train.checkpoint import list_checkpoints, load_checkpoint
 from attngrad.train.text import decode, encode, eval_windows, load_corpus
 
+pytestmark = pytest.mark.slow  # the fast tier (-m 'not slow') leaves this file out
+
 WORDS = ["alpha", "beta", "gamma", "delta", "omega", "kappa"]
 
 

@@ -2,7 +2,7 @@
 over mask kinds, biases, GQA, odd lengths and tile sizes that do not divide them.
 
 float64: max rel err <= 1e-10 against the dense path and against the independent reference
-(tests/reference.py).  float32: tiled and dense are both measured against a float64 run;
+(tests/oracle.py).  float32: tiled and dense are both measured against a float64 run;
 the tiled error may be at most 2x the dense error plus torch.testing's float32 atol.
 """
 
@@ -13,13 +13,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import attngrad.core.tiled as tiled_mod
+import attngrad.core.tiled.masks as tiled_masks
+import attngrad.core.tiled.policy as tiled_policy
 from attngrad import init_mha_params, mha_backward, mha_forward, sdpa_backward, sdpa_forward
 from attngrad.core.masks import make_mask_spec
 from attngrad.core.sdpa import SDPACache
 from attngrad.core.tiled import AUTO_TILED_MIN_ENTRIES, TiledCache
+from attngrad.runtime import fused
 from conftest import MASK_KINDS, assert_close_rel, attention_inputs, bias_array, mask_data
-from reference import allowed_structure, attention_backward, attention_forward
+from oracle import allowed_structure, attention_backward, attention_forward
 
 # (B, H, Hkv, Lq, Lk, D, Dv): odd lengths, Lq != Lk both ways, GQA, Dv != D, length 1.
 SHAPES = [
@@ -153,7 +155,7 @@ def test_repeated_runs_are_bitwise_identical_and_inputs_untouched():
 
 def test_auto_picks_by_size_and_array_kind(monkeypatch):
     assert AUTO_TILED_MIN_ENTRIES == 1 << 24  # the documented switch: P of 64 MB in float32
-    monkeypatch.setattr(tiled_mod, "AUTO_TILED_MIN_ENTRIES", 1 << 12)  # keep the test small
+    monkeypatch.setattr(tiled_policy, "AUTO_TILED_MIN_ENTRIES", 1 << 12)  # keep the test small
     rng = np.random.default_rng(9)
     small = attention_inputs(rng, 1, 1, 1, 8, 8, 4, 4)
     assert isinstance(sdpa_forward(small["q"], small["k"], small["v"])[1], SDPACache)
@@ -232,3 +234,71 @@ def test_probabilities_on_request_match_the_dense_cache(kind):
     _, tiled = _run(inp, "tiled", masks, bias, block_q=4, block_k=3)
     assert tiled.p.shape == dense.p.shape
     np.testing.assert_allclose(tiled.p, dense.p, rtol=1e-12, atol=1e-14)
+
+
+# Non-finite inputs: NaN or +-inf in an attended q row, k row, v row or bias entry gives the
+# dense path's non-finite pattern in the output and every gradient, on the NumPy tile loop
+# and on the compiled loops (which take no bias); a masked-out one changes nothing.
+NONFINITE_MASKS = {
+    "none": {},
+    "causal": {"causal": "bottom_right"},
+    "window+key_lengths": {"window": (3, 1), "key_lengths": np.array([10, 6])},
+}
+
+
+def _nonfinite_case(where, value, dtype, masks):
+    B, H, Hkv, Lq, Lk, D = 2, 4, 2, 9, 11, 3
+    rng = np.random.default_rng(17)
+    inp = attention_inputs(rng, B, H, Hkv, Lq, Lk, D, D, dtype)
+    opts = dict(masks)
+    if where == "bias":
+        opts["bias"] = rng.standard_normal((B, H, Lq, Lk)).astype(dtype)
+        opts["bias"][0, 1, 5, 4] = value  # attended under every mask here
+    else:
+        row = {"q": (0, 1, 5), "k": (0, 0, 4), "v": (0, 0, 4)}[where]
+        inp[where][row][1] = value
+    return inp, opts
+
+
+def _pattern(a):
+    a = np.asarray(a)
+    return np.isnan(a), np.isposinf(a), np.isneginf(a)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("where", ["q", "k", "v", "bias"])
+@pytest.mark.parametrize("masks", list(NONFINITE_MASKS))
+@pytest.mark.parametrize("path", ["numpy", "compiled"])
+def test_nonfinite_input_gives_dense_pattern(path, masks, where, value, dtype, monkeypatch):
+    if path == "compiled" and (where == "bias" or not fused.enabled()):
+        pytest.skip("the compiled loops take no bias" if where == "bias" else "numba missing")
+    monkeypatch.setenv(fused.ENV_DISABLE, "1" if path == "numpy" else "0")
+    inp, opts = _nonfinite_case(where, value, dtype, NONFINITE_MASKS[masks])
+    with np.errstate(all="ignore"):
+        dense, _ = _run(inp, "dense", {}, **opts)
+        for tiles in [(2, 3) if dtype == np.float32 else (4, 8)]:  # (one tiling per dtype: time)
+            tiled, cache = _run(inp, "tiled", {}, block_q=tiles[0], block_k=tiles[1], threads=2, **opts)
+            if path == "compiled":
+                assert tiled_masks.compiled_loops(cache.problem, cache.tiling) is not None
+            if not (where == "bias" and value < 0):  # (a -inf bias masks the entry: all finite)
+                assert any(not np.isfinite(a).all() for a in dense.values())
+            for name in dense:
+                for want, got in zip(_pattern(dense[name]), _pattern(tiled[name]), strict=True):
+                    np.testing.assert_array_equal(got, want, err_msg=f"{name} tiles {tiles}")
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+@pytest.mark.parametrize("path", ["numpy", "compiled"])
+def test_nonfinite_masked_out_key_changes_nothing(path, value, monkeypatch):
+    if path == "compiled" and not fused.enabled():
+        pytest.skip("numba missing")
+    monkeypatch.setenv(fused.ENV_DISABLE, "1" if path == "numpy" else "0")
+    inp, _ = _nonfinite_case("q", 0.5, np.float32, {})
+    masks = {"key_lengths": np.array([10, 6])}
+    clean, _ = _run(inp, "tiled", masks, block_q=2, block_k=3)
+    inp["k"][:, :, 10] = value  # no query row attends key 10
+    inp["v"][:, :, 10] = value
+    got, _ = _run(inp, "tiled", masks, block_q=2, block_k=3)
+    for name in clean:
+        np.testing.assert_array_equal(got[name], clean[name], err_msg=name)

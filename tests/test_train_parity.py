@@ -19,6 +19,8 @@ from attngrad.train import data as D  # noqa: E402
 from attngrad.train.loop import TrainConfig, loss_and_grads, train_step  # noqa: E402
 from attngrad.train.optim import AdamWConfig, adamw_init, lr_at  # noqa: E402
 
+pytestmark = pytest.mark.slow  # the fast tier (-m 'not slow') leaves this file out
+
 TOL = 1e-9
 
 

@@ -1,6 +1,6 @@
 """Today's variants (sinks, soft-cap, ALiBi, windows, segments, dropout, learned scale):
 every gradient against an independent float64 torch autograd reference
-(tests/torch_variants_reference.py) at rel <= 1e-10, alone and in pairs, over masks, both
+(tests/oracle.py) at rel <= 1e-10, alone and in pairs, over masks, both
 causal alignments, GQA, Lq != Lk, dense and tiled with odd tiles; against central finite
 differences; and the tiled path against the dense one, with hypothesis over shapes,
 windows and segment layouts (fully masked rows included).
@@ -16,9 +16,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import attngrad as ag
-from attngrad.check.finite_diff import central_difference
-from conftest import assert_close_rel, assert_gradcheck
-from torch_variants_reference import run, structure
+from conftest import assert_close_rel, assert_gradcheck, central_difference
+from oracle import keep_mask, run, structure
 
 VARIANTS = ("softcap", "sinks", "alibi", "window", "segments", "dropout", "scale")
 COMBOS = [(v,) for v in VARIANTS] + list(itertools.combinations(VARIANTS, 2))
@@ -64,7 +63,7 @@ def make_case(seed, shape, variants, mask_kind, dtype=np.float64):
         st_kw.update(q_seg=qs, kv_seg=ks)
     if "dropout" in variants:
         kw.update(dropout_p=0.3, dropout_seed=1234 + seed)
-        ref["keep"] = ag.dropout_mask(1234 + seed, (B, H, Lq, Lk), 0.3)
+        ref["keep"] = keep_mask(1234 + seed, (B, H, Lq, Lk), 0.3)
         ref["p"] = 0.3
     if "scale" in variants:
         kw["scale_grad"] = True
@@ -93,6 +92,7 @@ def ours(x, dout, kw, impl, **tiles):
     return res
 
 
+@pytest.mark.slow  # the grid; tests/test_oracle.py covers every variant in the fast tier
 @pytest.mark.parametrize("impl", ["dense", "tiled"])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("mask_kind", MASKS)

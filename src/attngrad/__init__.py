@@ -1,5 +1,6 @@
 """attngrad: closed-form gradients of Transformer attention, proved against autograd."""
 
+from ._version import __version__
 from .conform import conform
 from .core import (
     MaskSpec,
@@ -22,8 +23,6 @@ from .layers import (
     params_from_torch,
     params_to_torch,
 )
-
-__version__ = "0.1.0"
 
 __all__ = [
     "MHACache",

@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..core.options import AttentionOptions
 from ..core.sdpa import sdpa_backward, sdpa_forward
 from ..layers.mha import core_on_pool, init_mha_params, mha_backward, mha_forward
 
@@ -186,7 +187,7 @@ def _mha_on_workers(name: str, case: Case | None) -> bool:
     """attngrad_mha at ``case``'s shape runs its attention tiled on the workers (the layer's
     own guess, :func:`attngrad.layers.mha.core_on_pool`), its projections with them."""
     return name == "attngrad_mha" and case is not None and core_on_pool(
-        np, "auto", case.batch, case.heads, case.n, case.n, causal=case.causal, window=None, plain=True,
+        np, "auto", (case.batch, case.heads, case.n, case.n), AttentionOptions(causal=case.causal),
     )
 
 

@@ -19,7 +19,7 @@ from .cases import CheckConfig
 
 FULL_FD_MAX = 1024  # entries (inputs + parameters) of a case checked element by element
 DIRECTIONS = 4  # random directions per gradient above that
-SECONDS_PER_CALL = 2e-3  # Python and NumPy overhead of one small forward (measured: 1-2 ms)
+SECONDS_PER_CALL = 2e-3  # Python and NumPy overhead of one small forward (1-2 ms)
 FLOPS_PER_SECOND = 1e9  # float64, one core, conservative
 TIME_LIMIT = 1800.0  # refuse runs estimated to take longer than this (seconds)
 

@@ -14,6 +14,7 @@ import numpy as np
 
 from ..core.dropout import dropout_mask
 from ..core.masks import CAUSAL_ALIGNMENTS
+from ..core.variants import VARIANTS  # (V1-V7), each switched on by name (`check --variant`)
 from ..layers.mha import init_mha_params, mha_forward
 
 FLAVORS = ("self", "cross", "causal")
@@ -22,8 +23,6 @@ QK_NORM_EPS = 1e-6
 MASK_KINDS = ("padding", "random", "causal")
 DTYPES = ("float64", "float32")
 DEFAULT_LK = 7
-# Today's variants (docs/equations.md, V1-V7), each switched on by name (`check --variant`)
-VARIANTS = ("sinks", "softcap", "alibi", "window", "segments", "dropout", "scale")
 SOFTCAP = 1.0  # c of (V1): small enough that tanh bends the logits of the small cases
 WINDOW = (2, 1)  # (left, right) of (V5)
 DROPOUT_P = 0.3  # (V3)

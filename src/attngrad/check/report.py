@@ -93,3 +93,45 @@ def format_report(report: CheckReport) -> str:
         f"{report.torch_version or 'not installed'})"
     )
     return "\n".join(lines)
+
+
+def _rows(report: CheckReport):
+    for r in report.records:
+        yield (r.flavor, PRETTY.get(r.gradient, r.gradient), "(" + ",".join(map(str, r.shape)) + ")", r.reference,
+               f"{r.max_abs_err:.2e}", f"{r.max_rel_err:.2e}", r.tolerance, "pass" if r.passed else "FAIL")
+
+
+def _verdict(report: CheckReport) -> str:
+    n_fail = sum(not r.passed for r in report.records)
+    return (f"{'all passed' if report.passed else 'FAILED'}: {len(report.records) - n_fail} passed, {n_fail} failed "
+            f"(torch {report.torch_version or 'not installed'})")
+
+
+_HEAD = ("flavor", "gradient", "shape", "reference", "max abs err", "max rel err", "tolerance", "result")
+
+
+def report_html(report: CheckReport) -> str:
+    """The report as an HTML table (how a notebook displays a :class:`CheckReport`)."""
+    from html import escape
+
+    cell = "border:1px solid #d0d7de;padding:2px 6px"
+    head = "".join(f'<th style="{cell}">{h}</th>' for h in _HEAD)
+    rows = []
+    for row in _rows(report):
+        colour = "#1a7f37" if row[-1] == "pass" else "#cf222e"
+        tds = [f'<td style="{cell}">{escape(v)}</td>' for v in row[:-1]]
+        tds.append(f'<td style="{cell};color:{colour};font-weight:bold">{row[-1]}</td>')
+        rows.append("<tr>" + "".join(tds) + "</tr>")
+    notes = "".join(f"<p>note: {escape(n)}</p>" for n in report.notes)
+    return (f'<div class="attngrad-check"><p><b>attngrad check</b>: {escape(_verdict(report))}</p>'
+            f'<table style="border-collapse:collapse;font-size:90%"><thead><tr>{head}</tr></thead>'
+            f"<tbody>{''.join(rows)}</tbody></table>{notes}</div>")
+
+
+def report_markdown(report: CheckReport) -> str:
+    """The report as a Markdown table."""
+    out = [f"**attngrad check**: {_verdict(report)}", "", "| " + " | ".join(_HEAD) + " |",
+           "|" + "---|" * len(_HEAD)]
+    out += ["| " + " | ".join(v.replace("|", "\\|") for v in row) + " |" for row in _rows(report)]
+    out += ["", *(f"note: {n}" for n in report.notes)]
+    return "\n".join(out) + "\n"

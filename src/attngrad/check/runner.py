@@ -65,6 +65,16 @@ class CheckReport(NamedTuple):
     def passed(self) -> bool:
         return bool(self.records) and all(r.passed for r in self.records)
 
+    def _repr_html_(self) -> str:  # Jupyter, marimo: the check table
+        from .report import report_html
+
+        return report_html(self)
+
+    def _repr_markdown_(self) -> str:
+        from .report import report_markdown
+
+        return report_markdown(self)
+
     def to_json(self) -> dict:
         cfg = self.config
         return {

@@ -12,6 +12,7 @@ from ..check.budget import estimate
 from ..check.cases import DEFAULT_LK
 from ..check.torch_reference import torch_available
 from ..core.masks import CAUSAL_ALIGNMENTS
+from ..core.variants import parse_variants as parse_variant_names
 from ..resources import format_seconds
 
 PROGRESS_AFTER = 5.0  # seconds: longer runs report their steps on stderr
@@ -32,14 +33,12 @@ def _masks(text: str) -> tuple:
 def parse_variants(text: str) -> tuple:
     """``--variant``: 'all' or a comma list of VARIANTS (V1-V7), in VARIANTS' order."""
     names = [v.strip() for v in text.split(",") if v.strip()]
-    if names == ["all"]:
-        return VARIANTS
-    bad = [v for v in names if v not in VARIANTS]
-    if bad or not names:
+    try:
+        return parse_variant_names("all" if names == ["all"] else tuple(dict.fromkeys(names)))
+    except ValueError:
         raise argparse.ArgumentTypeError(
             f"expected 'all' or a comma list of {', '.join(VARIANTS)}; got {text!r}"
-        )
-    return tuple(v for v in VARIANTS if v in names)
+        ) from None
 
 
 def add_formula_variant(p) -> None:
@@ -47,7 +46,7 @@ def add_formula_variant(p) -> None:
     today's variants instead of a flavor."""
     p.add_argument("--variant", type=parse_variants, default=None, metavar="NAMES",
                    help="instead of a flavor: the attention core of one head with today's variants, 'all' "
-                        "or a comma list of sinks,softcap,alibi,window,segments,dropout,scale (V1-V7)")
+                        f"or a comma list of {','.join(VARIANTS)} (V1-V7)")
 
 
 def register(sub) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..formulas import FLAVORS, FORMATS, derive_document
+from ..formulas import FLAVORS, FORMATS, derive_document, numeric_walkthrough
 from ..formulas.rope_norm import EXTRA
 from .check import add_formula_variant
 
@@ -25,11 +25,29 @@ def register(sub) -> None:
     add_formula_variant(p)
     p.add_argument("--format", choices=FORMATS, default="text", dest="fmt",
                    help="text (Unicode), markdown (GitHub $$ maths) or latex (standalone document); default text")
+    p.add_argument("--numeric", action="store_true",
+                   help="print every intermediate (Q, K, V, S, P, dP, δ, dS, dQ, dK, dV, dW^Q, ...) of a tiny "
+                        "seeded case (Lq=3, Lk=4, D=2; default flavor cross) beside its equation tag, to 4 digits")
+    p.add_argument("--seed", type=int, default=0, help="seed of the --numeric case (default 0)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     if args.variant is not None and args.flavor is not None:
         raise ValueError(f"--variant prints the attention core of one head; --flavor {args.flavor} cannot apply")
+    if args.numeric:
+        if args.variant is not None:
+            raise ValueError("--numeric walks through one of the flavors self, cross, causal; --variant cannot apply")
+        if args.flavor not in (None, *FLAVORS):
+            raise ValueError(f"--numeric needs --flavor self, cross or causal; got --flavor {args.flavor}")
+        if args.fmt == "latex":
+            raise ValueError("--numeric prints text or markdown; --format latex cannot apply")
+        if args.seed < 0:
+            raise ValueError(f"--seed must be >= 0; got {args.seed}")
+        walk = numeric_walkthrough(args.flavor or "cross", seed=args.seed)
+        print(walk.text() if args.fmt == "text" else walk.markdown(), end="")
+        return 0
+    if args.seed != 0:
+        raise ValueError("--seed applies to --numeric only")
     print(derive_document(args.flavor or "all", args.fmt, variants=args.variant), end="")
     return 0

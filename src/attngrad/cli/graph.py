@@ -3,31 +3,14 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 from ..formulas import FLAVORS, GRAPH_FORMATS, GraphvizError, write_graph
+from ..formulas.graph import SUFFIXES, output_format
 from ..formulas.rope_norm import EXTRA
 from ..formulas.variants import variant_key
 from .check import add_formula_variant
 
-SUFFIXES = {"dot": "dot", "gv": "dot", **{f: f for f in GRAPH_FORMATS}}
-
-
-def output_format(output: str, fmt: str | None) -> str:
-    """The format to write ``output`` in: the one its suffix names (and --format, if given,
-    must agree); a suffix naming nothing this command can write is refused, so that a
-    file never holds another format than its name says."""
-    suffix = Path(output).suffix[1:].lower()
-    if suffix:
-        if suffix not in SUFFIXES:
-            raise ValueError(
-                f"cannot write {output!r}: its suffix .{suffix} names no format this command writes; "
-                f"use one of {', '.join('.' + s for s in SUFFIXES)}"
-            )
-        if fmt is not None and fmt != SUFFIXES[suffix]:
-            raise ValueError(f"--format {fmt} disagrees with the suffix of {output!r} ({SUFFIXES[suffix]})")
-        return SUFFIXES[suffix]
-    return fmt or "dot"
+__all__ = ["output_format", "register", "run"]
 
 
 def register(sub) -> None:

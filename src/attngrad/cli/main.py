@@ -17,7 +17,7 @@ import os
 import sys
 
 # Subcommand modules, in the order --help lists them.
-COMMANDS = ["check", "train", "bench", "derive", "graph", "sample", "report", "ring", "conform"]
+COMMANDS = ["check", "train", "bench", "derive", "graph", "sample", "export", "report", "ring", "conform"]
 
 BAD_USAGE, FAILED = 2, 1
 
@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="attngrad",
         description="Closed-form gradients of Transformer attention, proved against autograd.",
     )
-    from .. import __version__
+    from .._version import __version__
 
     parser.add_argument("--version", action="version", version=f"attngrad {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)

@@ -28,7 +28,9 @@ def register(sub) -> None:
     what.add_argument("--run", type=Path, default=None, metavar="DIR", help="a training run folder")
     p.add_argument("-o", "--output", type=Path, default=None, metavar="FILE.html",
                    help="output file (required with --flavor; default DIR/report.html with --run)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the flavor's case (default 0)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of the flavor's case (default: the first seed whose sequences all have a "
+                        "real key, so that no heatmap is blank: self 0, cross 1, causal 1)")
     p.add_argument("--no-check", dest="check", action="store_false",
                    help="leave out the check table (which runs autograd and finite differences)")
     p.set_defaults(func=run)
@@ -56,7 +58,7 @@ def run(args) -> int:
     else:
         if args.output is None:
             raise ValueError("-o FILE.html is required with --flavor")
-        if args.seed < 0:
+        if args.seed is not None and args.seed < 0:
             raise ValueError(f"--seed must be >= 0; got {args.seed}")
         out = args.output
         _writable(out)

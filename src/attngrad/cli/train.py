@@ -5,13 +5,17 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ..distributed import trainrun
 from ..layers.activations import ACTIVATIONS
 from ..models import MODELS
+from ..report.run import write_run_report
 from ..runtime.parallel import blas_threads
 from ..train.data import TASKS
 from ..train.loop import RESUMABLE, TrainConfig, flat_fields, resolve_resume, stored_config, train
+from ..train.presets import PRESETS
+from ..train.pretrained import apply_init_from
 from ..train.text import describe as describe_text
+from ..train.tokenizer import TOKENIZERS
+from . import train_config, train_dp
 from .args import int_at_least as _int
 from .args import number_in as _float
 
@@ -39,6 +43,7 @@ OPTIONS = [
     ("--eval-size", "eval_size", _int(1), "held-out sequences evaluated"),
     ("--ckpt-every", "ckpt_every", _int(1), "checkpoint period (steps)"),
     ("--keep-ckpts", "keep_ckpts", _int(1), "checkpoints kept"),
+    ("--grad-accum", "grad_accum", _int(1), "micro-batches of --batch-size per update (gradient accumulation)"),
     ("--context", "context", _int(1), "with --data: window length T in bytes"),
     ("--val-fraction", "val_fraction", _float(0.0, 1.0, hi_open=True),
      "with --data: held-out tail of the file, in (0, 1)"),
@@ -53,12 +58,21 @@ def register(sub) -> None:
             "Train an encoder-decoder, decoder-only or Llama-style (--model llama: RoPE, RMSNorm, "
             "SwiGLU, GQA, no biases) Transformer in pure NumPy (every backward "
             "pass closed-form) on copy/reverse/sort, generated in-process, or a byte-level language "
-            "model on a UTF-8 text file (--data FILE.txt, its tail held out). Writes metrics.jsonl, "
-            "loss_curve.png, attention_*.png, report.html and checkpoints (ckpt-*.npz) to --out."
+            "model on a UTF-8 text file (--data FILE.txt, its tail held out; --tokenizer bpe for a "
+            "BPE fitted to it). Writes metrics.jsonl, loss_curve.png, attention_*.png, report.html and "
+            "checkpoints (ckpt-*.npz) to --out. Options may come from --preset NAME and --config "
+            "FILE.toml (keys: the option names, e.g. batch-size = 32); the command line wins."
         ),
     )
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="a named set of options (char: 4 layers, width 128, 4 heads, context 128, "
+                        "nanoGPT's shakespeare_char recipe at CPU size); --config and the command line override it")
+    p.add_argument("--config", default=None, metavar="FILE.toml",
+                   help="read options from a TOML file (any option of this command, by its name: "
+                        "dim = 128, no-plots = true); the command line wins")
     p.add_argument("--task", choices=TASKS, default=None, help=f"toy task (default {_D['task']})")
-    p.add_argument("--model", choices=sorted(MODELS), default=None, help=f"architecture (default {_D['model']})")
+    p.add_argument("--model", choices=sorted(MODELS), default=None,
+                   help=f"architecture (default: {_D['model']} for a toy task, decoder with --data)")
     p.add_argument("--activation", choices=ACTIVATIONS, default=None, help=f"feed-forward activation (default {_D['activation']})")
     p.add_argument("--dtype", choices=["float32", "float64"], default=None, help=f"parameter dtype (default {_D['dtype']})")
     for flag, name, parse, text in OPTIONS:
@@ -73,14 +87,25 @@ def register(sub) -> None:
     p.add_argument("--data", default=None, metavar="FILE.txt",
                    help="train a byte-level decoder-only language model on this UTF-8 text file "
                         "(its last --val-fraction is held out) instead of a toy task")
-    p.add_argument("--out", type=Path, required=True, help="output folder (created)")
+    p.add_argument("--tokenizer", choices=TOKENIZERS, default=None,
+                   help="with --data: bytes (4 + 256 ids) or bpe (a byte-level BPE fitted to the training "
+                        "split, saved as tokenizer.json in --out; needs attngrad[tok]) (default bytes)")
+    p.add_argument("--vocab-size", dest="vocab_size", type=_int(260, 1 << 20), default=None, metavar="N",
+                   help="--tokenizer bpe: vocabulary size, 4 special + 256 byte ids + merges (default 512)")
+    p.add_argument("--init-from", dest="init_from", default=None, metavar="PATH",
+                   help="start from these weights: a Hugging Face GPT-2 or Llama folder (config.json + "
+                        "model.safetensors; needs attngrad[hf]) or an attngrad run folder; the source "
+                        "fixes the model (--model, --dim, ... may be left out)")
+    p.add_argument("--out", type=Path, default=None, help="output folder (created; required)")
     p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CKPT",
                    help="continue from the newest checkpoint in --out, or from CKPT")
-    p.add_argument("--threads", type=_int(1), default=1,
+    p.add_argument("--threads", type=_int(1), default=None,
                    help="BLAS threads (default 1: robust on small shared machines)")
-    p.add_argument("--no-plots", dest="plots", action="store_false", help="skip the PNG figures")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    trainrun.add_options(p)  # --nproc, --distributed, --port, --dist-timeout
+    p.add_argument("--no-plots", dest="plots", action="store_false", default=None, help="skip the PNG figures")
+    p.add_argument("--quiet", action="store_true", default=None, help="no progress bar")
+    p.add_argument("--tensorboard", action="store_true", default=None,
+                   help="also write TensorBoard event files to OUT/tensorboard (needs attngrad[tensorboard])")
+    train_dp.add_options(p)  # --nproc, --distributed, --port, --dist-timeout
     p.set_defaults(func=run)
 
 
@@ -89,6 +114,7 @@ def build_config(args) -> TrainConfig:
     the rest and a given option that would change the run is an error."""
     names = flat_fields()
     given = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+    given = apply_init_from(given)  # --init-from: the source fixes the model (train/pretrained.py)
     if given.get("data") is not None and "model" not in given and args.resume is None:
         given["model"] = "decoder"  # --data: a decoder-only language model
     if args.resume is None:
@@ -105,7 +131,7 @@ def build_config(args) -> TrainConfig:
 
 # Options of the toy tasks and of --data: given for the other kind of run, they cannot apply.
 TASK_ONLY = ("task", "symbols", "min_len", "max_len")
-DATA_ONLY = ("context", "val_fraction")
+DATA_ONLY = ("context", "val_fraction", "tokenizer", "vocab_size")
 
 
 def _refuse_what_cannot_apply(cfg: TrainConfig, given: dict) -> TrainConfig:
@@ -118,28 +144,32 @@ def _refuse_what_cannot_apply(cfg: TrainConfig, given: dict) -> TrainConfig:
 
 
 def run(args) -> int:
+    train_config.apply(args)  # --preset, --config, then the defaults of the options not given
     cfg = build_config(args)
     if args.nproc > 1 and not args.distributed:  # P local ranks, each this command with --distributed
-        trainrun.check_config(cfg, args.nproc)
-        return trainrun.launch_train(args)
-    what = (f"the bytes of {cfg.data} (context {cfg.context}, last {cfg.val_fraction:g} held out)"
+        train_dp.check_config(cfg, args.nproc)
+        return train_dp.launch_train(args)
+    what = (f"the {'bytes' if cfg.tokenizer == 'bytes' else 'BPE tokens'} of {cfg.data} (context {cfg.context}, last {cfg.val_fraction:g} held out)"
             if cfg.data is not None else
             f"{cfg.task} (lengths {cfg.min_len}-{cfg.max_len}, {cfg.symbols} symbols)")
     print(f"attngrad train: {cfg.model} on {what}, {cfg.steps} steps, batch {cfg.batch_size}, E={cfg.dim}, "
           f"H={cfg.heads}, {cfg.layers} layers, {cfg.dtype} -> {args.out}")
     try:
         with blas_threads(args.threads):
-            fit = trainrun.rank_train(args) if args.distributed else train  # --distributed: one rank
+            fit = train_dp.rank_train(args) if args.distributed else train  # --distributed: one rank
             res = fit(cfg, args.out, resume=args.resume, progress=not args.quiet, plots=args.plots,
-                      warn=lambda text: print(f"attngrad train: {text}", file=sys.stderr))
+                      warn=lambda text: print(f"attngrad train: {text}", file=sys.stderr),
+                      tensorboard=args.tensorboard)
     except FloatingPointError as exc:  # the run diverged: not bad input, but no traceback either
         print(f"attngrad train: training diverged: {exc}; the last checkpoint in {args.out} is intact",
               file=sys.stderr)
         return 1
     if res.checkpoint is None:  # a data-parallel rank other than 0: rank 0 reports
         return 0
+    res.figures.append(write_run_report(args.out))  # the run's page, from the folder alone
     if cfg.data is not None:
-        print(f"{describe_text(res.eval)} after {res.step} steps, {res.seconds:.1f} s of training")
+        unit = "byte" if cfg.tokenizer == "bytes" else "token"
+        print(f"{describe_text(res.eval, unit)} after {res.step} steps, {res.seconds:.1f} s of training")
     else:
         print(f"held-out exact match {res.eval['eval_exact']:.2%} (token accuracy "
               f"{res.eval['eval_token_acc']:.2%}) after {res.step} steps, {res.seconds:.1f} s of training")

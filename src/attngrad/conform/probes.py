@@ -1,7 +1,7 @@
 """Probes beside accuracy.
 
 - ``nan_keys``: NaN in masked-out keys; ``inf_values``: +-inf and NaN in masked-out values
-  (every key no query may attend, built in :func:`~attngrad.conform.grid.make_problem`);
+  (every key no query may attend, built in :func:`~attngrad.conform.inputs.make_inputs`);
   the answer must equal the reference computed on clean inputs (RELIABILITY 4).
 - ``large_logits``: q and k scaled by 100, logits of magnitude ~1e4 (RELIABILITY 5).
 - fully masked rows (the ``fully_masked`` family and bottom-right causal with Lq > Lk):
@@ -14,19 +14,19 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .grid import Problem
-from .targets import Result, Target
+from .inputs import CaseInputs
+from .result import Result, Target
 from .verdict import bitwise_equal
 
 
-def clean(problem: Problem) -> Problem:
+def clean(problem: CaseInputs) -> CaseInputs:
     """The problem without the nan_keys poison (what the plain baseline is run on)."""
     if problem.k is problem.clean_k and problem.v is problem.clean_v:
         return problem
     return replace(problem, k=problem.clean_k, v=problem.clean_v)
 
 
-def determinism(target: Target, problem: Problem, first: Result) -> str | None:
+def determinism(target: Target, problem: CaseInputs, first: Result) -> str | None:
     """None if a second run of ``target`` equals ``first`` bit for bit; else the difference."""
     if first.grads is None:
         return None

@@ -5,19 +5,36 @@ from __future__ import annotations
 import shlex
 from xml.etree import ElementTree as ET
 
-from .verdict import FAIL, FLOOR_ULPS, NONDET, PASS, REFUSED, SKIP
+from .verdict import FAIL, FRAGILE, NONDET, PASS, REFUSED, SKIP, floor_text
 
-COLUMNS = (PASS, FAIL, NONDET, REFUSED, SKIP)
-HEADS = {PASS: "pass", FAIL: "fail", NONDET: "non-det", REFUSED: "refused", SKIP: "skipped"}
+COLUMNS = (PASS, FAIL, NONDET, REFUSED, FRAGILE, SKIP)
+HEADS = {PASS: "pass", FAIL: "fail", NONDET: "non-det", REFUSED: "refused", FRAGILE: "fragile",
+         SKIP: "skipped"}
 
 
 def rule_text(report) -> str:
     return (
         f"float64: max|t-r|/max|r| <= {report.rtol:g}; float32/float16/bfloat16: "
-        f"max|t-r| <= factor x max|plain-r| + {FLOOR_ULPS} ulps x S, factor = {report.factor:g} "
-        "(r: attngrad's float64 closed form; plain: torch.naive in the same dtype; "
-        "S: the case's largest |r|)"
+        f"max|t-r| <= factor x max|plain-r| + floor ulps x S_t, floor = {floor_text(report.floor_ulps)}, factor = {report.factor:g} "
+        "(r: attngrad's float64 closed form; plain: torch ops as PyTorch's math backend computes, "
+        "float32 arithmetic for half inputs; S_t: that tensor's largest |r|)"
     )
+
+
+def summary_line(report) -> str:
+    """The last line: the verdict, the counts, and what was excluded, fragile and skipped."""
+    c = report.counts
+    verdict = "all passed" if report.passed else "FAILED"
+    text = (f"{verdict}: {c[PASS]} passed, {c[FAIL]} failed, {c[NONDET]} non-deterministic, "
+            f"{c[REFUSED]} refused, {c[FRAGILE]} fragile, {c[SKIP]} skipped")
+    fragile = report.families_with(FRAGILE)
+    skipped = report.families_with(SKIP)
+    text += "; excluded: " + (", ".join(report.excluded) if report.excluded else "none")
+    text += "; fragile: " + (", ".join(fragile) if fragile else "none")
+    if fragile:
+        text += " (fails the exit status)" if report.strict else " (passes the exit status; --strict fails it)"
+    text += "; skipped in: " + (", ".join(skipped) if skipped else "none")
+    return text + " (skipped cases are never counted as passed)"
 
 
 def _families(report) -> list:
@@ -33,7 +50,8 @@ def _skip_note(results) -> str:
 
 
 def repro_command(report, case_id: str) -> str:
-    return f"attngrad conform {shlex.quote(report.target)} --repro {shlex.quote(case_id)}"
+    dev = "" if getattr(report, "device", "cpu") == "cpu" else f" --device {shlex.quote(report.device)}"
+    return f"attngrad conform {shlex.quote(report.target)}{dev} --repro {shlex.quote(case_id)}"
 
 
 def worst_errors(report) -> list:
@@ -54,7 +72,8 @@ def worst_errors(report) -> list:
 def format_report(report) -> str:
     lines = [
         f"attngrad conform {report.target} ({report.protocol} protocol: {report.note}); "
-        f"grid {report.grid}, {len(report.results)} cases, {report.seconds:.0f} s",
+        f"grid {report.grid}, {len(report.results)} cases, {report.seconds:.0f} s"
+        + (f", device {report.device}" if report.device != "cpu" else ""),
         f"verdict: {rule_text(report)}",
         "",
     ]
@@ -70,17 +89,16 @@ def format_report(report) -> str:
             label = "out" if name == "out" else f"d{name}"
             flag = "" if err <= allowed else "  FAIL"
             lines.append(f"  {label:<14} {cls:<9} {err:9.2e}  allowed {allowed:8.2e}  {case_id}{flag}")
-    bad = [r for r in report.results if r.verdict in (FAIL, NONDET, REFUSED)]
+    bad = [r for r in report.results if r.verdict in (FAIL, NONDET, REFUSED, FRAGILE)]
     if bad:
-        lines += ["", "not passed:"]
+        lines += ["", "not passed (fragile: a hygiene probe not survived):"]
         for r in bad:
             lines.append(f"  {r.verdict.upper():<17} {r.case_id}")
             lines.append(f"      {r.reason}")
+            for hint in r.hints:
+                lines.append(f"      hint: {hint}")
             lines.append(f"      {repro_command(report, r.case_id)}")
-    c = report.counts
-    verdict = "all passed" if report.passed else "FAILED"
-    lines += ["", f"{verdict}: {c[PASS]} passed, {c[FAIL]} failed, {c[NONDET]} non-deterministic, "
-                  f"{c[REFUSED]} refused, {c[SKIP]} skipped (skipped cases are never counted as passed)"]
+    lines += ["", summary_line(report)]
     return "\n".join(lines)
 
 
@@ -88,24 +106,31 @@ def to_junit(report) -> str:
     """JUnit XML: a testsuite per feature family, a testcase per case."""
     c = report.counts
     root = ET.Element("testsuites", name=f"attngrad conform {report.target}",
-                      tests=str(len(report.results)), failures=str(c[FAIL] + c[NONDET]),
+                      tests=str(len(report.results)),
+                      failures=str(c[FAIL] + c[NONDET] + (c[FRAGILE] if report.strict else 0)),
                       errors=str(c[REFUSED]), skipped=str(c[SKIP]), time=f"{report.seconds:.3f}")
     for family, results in _families(report):
         n = {v: sum(r.verdict == v for r in results) for v in COLUMNS}
         suite = ET.SubElement(root, "testsuite", name=family, tests=str(len(results)),
-                              failures=str(n[FAIL] + n[NONDET]), errors=str(n[REFUSED]),
+                              failures=str(n[FAIL] + n[NONDET] + (n[FRAGILE] if report.strict else 0)),
+                              errors=str(n[REFUSED]),
                               skipped=str(n[SKIP]))
         props = ET.SubElement(suite, "properties")  # the verdict's settings, in every suite
         for k, v in (("target", report.target), ("rtol", report.rtol), ("factor", report.factor),
-                     ("grid", report.grid), ("floor_ulps", FLOOR_ULPS)):
+                     ("grid", report.grid), ("floor_ulps", floor_text(report.floor_ulps)),
+                     ("strict", report.strict), ("device", report.device),
+                     ("excluded", ",".join(report.excluded))):
             ET.SubElement(props, "property", name=k, value=str(v))
         for r in results:
             case = ET.SubElement(suite, "testcase", classname=f"attngrad.conform.{family}", name=r.case_id)
             if r.verdict == SKIP:
                 ET.SubElement(case, "skipped", message=r.reason)
-            elif r.verdict in (FAIL, NONDET):
+            elif r.verdict in (FAIL, NONDET) or (r.verdict == FRAGILE and report.strict):
                 el = ET.SubElement(case, "failure", message=r.reason, type=r.verdict)
-                el.text = repro_command(report, r.case_id)
+                el.text = "\n".join([*r.hints, repro_command(report, r.case_id)])
+            elif r.verdict == FRAGILE:  # reported, with its reproducer, without failing the suite
+                ET.SubElement(case, "system-out").text = (
+                    f"fragile: {r.reason}\n{repro_command(report, r.case_id)}")
             elif r.verdict == REFUSED:
                 el = ET.SubElement(case, "error", message=r.reason, type=r.verdict)
                 el.text = repro_command(report, r.case_id)

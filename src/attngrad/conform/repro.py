@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import numpy as np
 
-from .grid import make_problem, parse_case_id
-from .probes import clean
-from .runner import DEFAULT_FACTOR, DEFAULT_RTOL, _check_number, run_case
-from .targets import grad_names, reference, resolve_target, torch_naive
-from .verdict import REL_FLOOR, SKIP, scale_of
+from .cases import parse_case_id
+from .inputs import make_inputs
+from .reference import reference
+from .runner import (
+    DEFAULT_FACTOR,
+    DEFAULT_REPEAT,
+    DEFAULT_RTOL,
+    _check_number,
+    plain_baseline,
+    run_case,
+)
+from .targets import grad_names, resolve_target
+from .verdict import REL_FLOOR, SKIP, dataflow, scale_of
 
 
 def ranges(idx) -> str:
@@ -64,26 +72,32 @@ def _where(name: str, got, ref, limit: float, problem) -> list:
 
 
 def reproduce(target, case_id: str, *, protocol=None, features=None,
-              rtol: float = DEFAULT_RTOL, factor: float = DEFAULT_FACTOR) -> tuple[str, bool]:
-    """Rebuild ``case_id`` from its seed, judge ``target`` on it and say where the error sits.
+              rtol: float = DEFAULT_RTOL, factor: float = DEFAULT_FACTOR,
+              floor_ulps: float | None = None, device: str = "cpu",
+              repeat: int = DEFAULT_REPEAT) -> tuple[str, bool]:
+    """Rebuild ``case_id`` from its seed, judge ``target`` on it and say where the error sits
+    (the first wrong tensor in data-flow order, what the answer matches instead).
 
-    Returns (text, passed).
+    Returns (text, passed); a fragile hygiene probe counts as not passed here.
     """
     rtol = _check_number("rtol", rtol)
     factor = _check_number("factor", factor)
+    if floor_ulps is not None:
+        floor_ulps = _check_number("floor_ulps", floor_ulps, positive=False)
     case = parse_case_id(case_id)
-    t = resolve_target(target, protocol=protocol, features=features)
-    result = run_case(t, case, rtol=rtol, factor=factor)
+    t = resolve_target(target, protocol=protocol, features=features, device=device)
+    result = run_case(t, case, rtol=rtol, factor=factor, floor_ulps=floor_ulps, repeat=repeat)
     lines = [f"case {case.id}", f"  {case.describe()}",
              f"  target {t.name} ({t.protocol} protocol): {result.verdict.upper()}"
              + (f": {result.reason}" if result.reason else "")]
+    lines += [f"  hint: {h}" for h in result.hints]
     for name, e in result.errors.items():
         label = "out" if name == "out" else f"d{name}"
         extra = f" (plain {e.plain:.2e})" if e.plain is not None else ""
         lines.append(f"  {label:<14} rel err {e.err:9.2e}  allowed {e.allowed:8.2e}{extra}  {'ok' if e.ok else 'FAIL'}")
     if result.verdict == SKIP or result.verdict == "pass":
         return "\n".join(lines), result.verdict != "fail"
-    problem = make_problem(case)
+    problem = make_inputs(case)
     if case.probe in ("nan_keys", "inf_values"):
         poison = ~np.isfinite(problem.k if case.probe == "nan_keys" else problem.v).all(axis=3)  # (B, Hkv, Lk)
         what = "NaN in K" if case.probe == "nan_keys" else "+-inf and NaN in V"
@@ -96,8 +110,8 @@ def reproduce(target, case_id: str, *, protocol=None, features=None,
     except Exception as exc:
         lines.append(f"  the target raised {type(exc).__name__}: {exc}")
         return "\n".join(lines), False
-    plain = torch_naive(clean(problem)) if case.dtype != "float64" else None
-    names = grad_names(case)
+    plain = plain_baseline(problem)
+    names = dataflow(grad_names(case))
     tensors = {n: ref.out if n == "out" else ref.grads[n] for n in names}
     floor = REL_FLOOR * max(scale_of(r) for r in tensors.values())
     for name in names:
@@ -112,5 +126,6 @@ def reproduce(target, case_id: str, *, protocol=None, features=None,
             lines.append(f"  where {'out' if name == 'out' else 'd' + name} is off:")
             lines += where
     if plain is not None:
-        lines.append("  (allowed = factor x the plain torch.naive error in the same dtype + rounding floor)")
+        lines.append("  (allowed = factor x the plain baseline's error (math-backend arithmetic) "
+                     "+ the rounding floor of that tensor)")
     return "\n".join(lines), False

@@ -2,7 +2,8 @@
 
 from .dropout import dropout_mask
 from .masks import CAUSAL_ALIGNMENTS, MaskSpec, make_mask_spec
-from .problem import Problem
+from .options import OPTION_NAMES, AttentionOptions, attention_options
+from .problem import Problem, make_problem
 from .sdpa import (
     SDPACache,
     SDPAShape,
@@ -16,14 +17,18 @@ from .sdpa import (
 
 __all__ = [
     "CAUSAL_ALIGNMENTS",
+    "OPTION_NAMES",
+    "AttentionOptions",
     "MaskSpec",
     "Problem",
     "SDPACache",
     "SDPAShape",
     "TiledCache",
+    "attention_options",
     "attention_weights",
     "dropout_mask",
     "make_mask_spec",
+    "make_problem",
     "masked_softmax",
     "sdpa",
     "sdpa_backward",

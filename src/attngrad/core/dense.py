@@ -134,7 +134,8 @@ def softmax_with_sinks(xp, s, allowed=None, sinks=None, *, overwrite: bool = Fal
 
     Returns ``(P, P_sink)``, P_sink None without sinks.  Max-subtracted: finite for logits
     of any finite magnitude; masked entries exactly 0; a row with nothing allowed is all 0
-    (never NaN), or attends only its sink.                                      (A2, V2)
+    (never NaN), or attends only its sink; a row with a NaN or +inf logit is all NaN
+    (PyTorch's softmax).                                                        (A2, V2)
     ``overwrite=True`` lets a NumPy ``s`` be used as the work buffer (it is clobbered).
     """
     if s.shape[-1] == 0 and sinks is None:
@@ -150,7 +151,8 @@ def softmax_with_sinks(xp, s, allowed=None, sinks=None, *, overwrite: bool = Fal
     )  # (..., 1) row max
     if sinks is not None:
         m = xp.maximum(m, sinks)  # the sink joins the row max
-    m = xp.where(xp.isfinite(m), m, xp.zeros((), dtype=m.dtype))  # empty rows: -inf -> 0
+    # empty rows: -inf -> 0; a +inf or NaN max is kept, so that the row is NaN as in PyTorch
+    m = xp.where(m == -math.inf, xp.zeros((), dtype=m.dtype), m)
     if xp is np and (overwrite or allowed is not None):  # s is ours: work in place
         e = exp_inplace(np.subtract(s, m, out=s))  # masked: exp(-inf) = 0
     else:
@@ -160,7 +162,7 @@ def softmax_with_sinks(xp, s, allowed=None, sinks=None, *, overwrite: bool = Fal
     if sinks is not None:
         es = xp.exp(sinks - m)  # (..., 1) the sink's term             (V2)
         z = z + es
-    z = xp.where(z > 0, z, xp.ones((), dtype=z.dtype))
+    z = xp.where(z == 0, xp.ones((), dtype=z.dtype), z)  # nothing allowed; a NaN sum stays NaN
     p = np.divide(e, z, out=e) if xp is np else e / z
     return p, None if es is None else es / z
 
@@ -214,7 +216,10 @@ def dense_backward(xp, do, cache: SDPACache, out: dict | None = None) -> dict:
         ds = xp.reshape(xp.where(cache.flat, xp.zeros((), dtype=ds.dtype), ds5), (B, Hkv, G * Lq, Lk))  # (A7)
     grads = {}
     if prob.bias is not None:  # (A10)
-        grads["bias"] = reduce_to_shape(xp, xp.reshape(ds, (B, H, Lq, Lk)), prob.bias_shape)
+        g = reduce_to_shape(xp, xp.reshape(ds, (B, H, Lq, Lk)), prob.bias_shape)
+        if cache.t is not None and xp is np and np.shares_memory(g, ds):
+            g = g.copy()  # a full-size bias's dS is a view of ds, which (V1) scales in place below
+        grads["bias"] = g
     if prob.alibi is not None:  # (V4) dslope_h = -sum_ij dS_ij |pos(i) - j|
         dist = alibi_grad_distance(xp, ds.dtype, 0, Lq, 0, Lk, prob.spec.offset, Lk,
                                    prob.sinks is not None)  # (Lq, Lk) (V8)

@@ -55,8 +55,8 @@ def normalize_causal(causal, lq: int, lk: int) -> str | None:
 def _positional_intervals(lq: int, lk: int, offset: int, causal, window) -> tuple:
     """``(lo, hi)`` of :meth:`MaskSpec.row_intervals` for the positional rules alone (causal,
     window) and Lk keys, clipped to [0, Lk - 1]: (Lq,) int64 each, contiguous.  Kept per
-    shape and rule (the tiled path asks for them on every call: ~0.1 ms after an idle
-    spell, issue 13), so shared: read-only (a write raises, never corrupts a later call)."""
+    shape and rule (the tiled path asks for them on every call, and forming them is not
+    free), so shared: read-only (a write raises, never corrupts a later call)."""
     spec = MaskSpec(1, 1, lq, lk, causal=causal, window=window)
     lo, hi = spec._bounds(np.arange(lq, dtype=np.int64) + offset)
     lo = np.zeros(lq, np.int64) if lo is None else np.maximum(lo, 0)

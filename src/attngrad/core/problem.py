@@ -26,6 +26,7 @@ from ..runtime._xp import (
     resolve_scale,
 )
 from .masks import MaskSpec, make_mask_spec
+from .options import AttentionOptions
 
 
 class SDPAShape(NamedTuple):
@@ -119,42 +120,41 @@ def validate_qkv(q, k, v) -> SDPAShape:
     return SDPAShape(b, h, hkv, lq, k.shape[2], d, v.shape[3])
 
 
-def make_problem(
-    xp, q, k, v, *, mask, key_lengths, key_mask, causal, bias, scale, softcap, sinks,
-    alibi_slopes, window, q_segment_ids, kv_segment_ids, dropout_p, dropout_seed, scale_grad,
-    shape: SDPAShape | None = None,
-) -> Problem:
-    """Validate every option of :func:`attngrad.sdpa_forward`; returns the :class:`Problem`.
-    ``shape``: q, k and v's :class:`SDPAShape` from a caller that formed them from inputs it
-    has checked (a layer's heads), so :func:`validate_qkv` is not repeated."""
+def make_problem(xp, q, k, v, options: AttentionOptions, *, shape: SDPAShape | None = None) -> Problem:
+    """Validate every option of :func:`attngrad.sdpa_forward` (``options``); returns the
+    :class:`Problem`.  ``shape``: q, k and v's :class:`SDPAShape` from a caller that formed
+    them from inputs it has checked (a layer's heads), so :func:`validate_qkv` is not repeated."""
+    o = options
     sh = validate_qkv(q, k, v) if shape is None else shape  # q, k, v: one floating dtype
     dtype = q.dtype
+    bias = o.bias
     if bias is not None:
         check_array("bias", bias)
         check_float_dtypes({"q": q, "k": k, "v": v, "bias": bias})  # names a mixed-up argument
-    scale = resolve_scale(scale, sh.d)
+    scale = resolve_scale(o.scale, sh.d)
     full = (sh.batch, sh.heads, sh.lq, sh.lk)
     spec = make_mask_spec(
-        xp, *full, mask=mask, key_lengths=key_lengths, key_mask=key_mask, causal=causal,
-        window=window, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+        xp, *full, mask=o.mask, key_lengths=o.key_lengths, key_mask=o.key_mask, causal=o.causal,
+        window=o.window, q_segment_ids=o.q_segment_ids, kv_segment_ids=o.kv_segment_ids,
     )
     cdt = compute_dtype(xp, dtype)
     bias_shape = None
     if bias is not None:
         bias_shape = check_broadcast("bias", bias, full)
         bias = xp.astype(xp.reshape(bias, (1,) * (4 - len(bias_shape)) + bias_shape), cdt, copy=False)
+    softcap, sinks, alibi_slopes = o.softcap, o.sinks, o.alibi_slopes
     if softcap is not None:
         softcap = check_positive(softcap, "softcap")
     if sinks is not None:
         sinks = _per_head(xp, "sinks", sinks, ((sh.heads,),), cdt)
     alibi_shape = None
     if alibi_slopes is not None:
-        alibi_shape = tuple(alibi_slopes.shape) if hasattr(alibi_slopes, "shape") else None
         slopes = _per_head(xp, "alibi_slopes", alibi_slopes, ((sh.heads,), (sh.batch, sh.heads)), cdt)
         alibi_shape = tuple(slopes.shape)
         alibi_slopes = xp.reshape(slopes, (-1, sh.heads))  # (b, H)
-    p = _dropout_p(dropout_p)
-    seed = _dropout_seed(dropout_seed, p)
+    p = _dropout_p(o.dropout_p)
+    seed = _dropout_seed(o.dropout_seed, p)
+    scale_grad = o.scale_grad
     if not isinstance(scale_grad, bool):
         raise TypeError(f"scale_grad must be True or False; got {scale_grad!r}")
     return frozen_record(

@@ -13,10 +13,11 @@ NumPy).  :func:`sdpa_backward` checks dOut and the cache and dispatches on the c
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import numpy as np
 
-from ..runtime._xp import check_array, check_float_dtypes, dtype_name, namespace
+from ..runtime._xp import check_array, check_float_dtypes, dtype_name, frozen_record, namespace
 from .dense import (
     SDPACache,
     _dropped,
@@ -25,8 +26,9 @@ from .dense import (
     masked_softmax,
     reduce_to_shape,
 )
+from .options import AttentionOptions
 from .problem import SDPAShape, make_problem, validate_qkv
-from .tiled import TiledCache, choose_impl, make_tiling, tiled_backward, tiled_forward
+from .tiled import TiledCache, Tiling, choose_impl, make_tiling, tiled_backward, tiled_forward
 
 __all__ = [
     "SDPACache",
@@ -68,7 +70,6 @@ def sdpa_forward(
     block_k=None,
     threads=None,
     out=None,
-    _keep_out=False,
 ):
     """Attention forward.  Returns ``(out, cache)``; ``out`` is (B, H, Lq, Dv), a fresh array
     (or the ``out`` given).
@@ -97,36 +98,56 @@ def sdpa_forward(
       written there and it is returned.  The tiled path's compiled loops write O there
       directly (no copy) unless it may share memory with q, k, v or the bias (then, and on
       the other paths, O is copied in, as NumPy's ``out=``).
-
-    (``_keep_out``, for attngrad's own layer only: the tiled cache keeps ``out`` itself as
-    its O where O was written there directly; the caller then writes nothing into ``out``
-    before the backward.)
     """
+    options = frozen_record(
+        AttentionOptions, mask=mask, key_lengths=key_lengths, key_mask=key_mask, causal=causal, bias=bias,
+        scale=scale, softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes, window=window,
+        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, dropout_p=dropout_p,
+        dropout_seed=dropout_seed, scale_grad=scale_grad,
+    )
+    return forward(q, k, v, options, make_run(impl, block_q, block_k, threads, out))
+
+
+class Run(NamedTuple):
+    """How one forward runs, apart from what it computes (:func:`make_run` checks it)."""
+
+    impl: str  # "auto", "dense" or "tiled"
+    tiling: Tiling  # tile sizes and threads of the tiled path
+    out: np.ndarray | None = None  # (B, H, Lq, Dv): O is written there and returned
+    keep_out: bool = False  # the tiled cache keeps ``out`` itself as its O where O was written there
+    # directly (attngrad's own layer: it writes nothing into ``out`` before the backward)
+
+
+def make_run(impl="auto", block_q=None, block_k=None, threads=None, out=None, keep_out=False) -> Run:
+    """The checked :class:`Run` of sdpa_forward's ``impl``, ``block_q``, ``block_k``,
+    ``threads`` and ``out`` (``out`` is checked against the problem by :func:`forward`)."""
     if impl not in ("auto", "dense", "tiled"):
         raise ValueError(f"impl must be 'auto', 'dense' or 'tiled'; got {impl!r}")
     tiling = make_tiling(block_q, block_k, threads)
     if impl == "dense" and (block_q, block_k, threads) != (None, None, None):
         raise ValueError("block_q, block_k and threads apply to impl='tiled' or 'auto' only")
-    validate_qkv(q, k, v)
+    return Run(impl, tiling, out, keep_out)
+
+
+def forward(q, k, v, options: AttentionOptions, run: Run):
+    """:func:`sdpa_forward` on an options record and a checked :class:`Run`: validates q,
+    k, v and the options into the :class:`~.problem.Problem` and dispatches.  Returns
+    ``(out, cache)``."""
+    sh = validate_qkv(q, k, v)
+    bias, out = options.bias, run.out
     if bias is not None:
         check_array("bias", bias)
         check_float_dtypes({"q": q, "k": k, "v": v, "bias": bias})  # names a mixed-up argument
-    xp = namespace(q, k, v, *(a for a in (bias, sinks, alibi_slopes) if hasattr(a, "shape")))
-    prob = make_problem(
-        xp, q, k, v, mask=mask, key_lengths=key_lengths, key_mask=key_mask, causal=causal,
-        bias=bias, scale=scale, softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes,
-        window=window, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-        dropout_p=dropout_p, dropout_seed=dropout_seed, scale_grad=scale_grad,
-    )
+    xp = namespace(q, k, v, *(a for a in (bias, options.sinks, options.alibi_slopes) if hasattr(a, "shape")))
+    prob = make_problem(xp, q, k, v, options, shape=sh)
     check_forward_out(out, prob, xp)
     q, k, v = (xp.astype(t, prob.cdt, copy=False) for t in (q, k, v))
-    if impl == "auto":
-        impl = choose_impl(xp, prob)
+    impl = choose_impl(xp, prob) if run.impl == "auto" else run.impl
     if impl == "tiled":
         if xp.__name__ != "numpy":
             raise TypeError("impl='tiled' takes NumPy arrays; use impl='dense' (or 'auto') for other kinds")
         direct = None if out is None else _direct({"o": out}, prob, (q, k, v, bias))
-        o, cache = tiled_forward(q, k, v, prob, tiling, result=(direct or {}).get("o"), keep_result=_keep_out)
+        o, cache = tiled_forward(q, k, v, prob, run.tiling, result=(direct or {}).get("o"), keep_result=run.keep_out)
     else:
         o, cache = dense_forward(xp, q, k, v, prob)
     if out is not None and o is not out:

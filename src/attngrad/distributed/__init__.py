@@ -1,5 +1,6 @@
-"""attngrad beyond one process: ring attention (sequence parallelism) and data-parallel
-training on torch.distributed (gloo on CPU; NumPy compute on every rank).
+"""attngrad beyond one process: ring attention (sequence parallelism) and the process group
+it runs on, torch.distributed (gloo on CPU; NumPy compute on every rank).  Data-parallel
+training, which uses the same group, sits above the training loop: :mod:`attngrad.train.dp`.
 
 PyTorch is needed only here, and only when a function of this package runs.
 """

@@ -65,6 +65,17 @@ class Catalogue(NamedTuple):
     notes: str = ""  # its closing notes (default: the flavor's "Masks and scale")
     notation: tuple = ()  # its notation table (default: the flavors' or RoPE/QK-norm's)
 
+    # a notebook (Jupyter, marimo) displays a catalogue as the document ``derive`` prints
+    def _repr_markdown_(self) -> str:
+        from .document import render
+
+        return render(self, "markdown")
+
+    def _repr_latex_(self) -> str:
+        """Every formula, one per line with its tag, as one display-maths block."""
+        rows = [rf"\text{{{f.tag}}} & {f.latex()}" for sec in self.sections for f in sec.formulas]
+        return "$$\\begin{array}{ll}\n" + " \\\\\n".join(rows) + "\n\\end{array}$$"
+
 
 def _symbols(flavor: str) -> dict:
     src = "M" if flavor == "cross" else "X"
@@ -167,7 +178,7 @@ def catalogue(flavor: str) -> Catalogue:
     via = lambda n: d(n.upper()) @ g(f"W_{n}").T
     if flavor == "cross":
         bwd.append(F("(M8)", d("X"), via("q")))
-        bwd.append(F("(M9)", d("M"), via("k") + via("v")))
+        bwd.append(F("(M10)", d("M"), via("k") + via("v")))
     else:
         bwd.append(F("(M9)", d("X"), via("q") + via("k") + via("v")))
 
@@ -230,7 +241,7 @@ _BACKWARD_INTRO = {
     "self": "X feeds Q, K and V, so dX is the sum of three paths (M9). dW and db sum over "
             "the batch. The scale s multiplies dQ and dK, never dV.",
     "cross": "Queries come from X, keys and values from the encoder output M: dX has one "
-             "path (M8), dM two (M9). In a Transformer the dM of every decoder layer is "
+             "path (M8), dM two (M10). In a Transformer the dM of every decoder layer is "
              "added into the encoder's output gradient.",
     "causal": "As self-attention, with the causal structure in 𝓜: P_ij = 0 for j > i, so "
               "dS_ij = 0 there and no gradient flows from a query to a later key.",

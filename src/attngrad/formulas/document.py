@@ -61,7 +61,7 @@ def render(cat: Catalogue, fmt: str) -> str:
 
 def derive_document(flavor: str = "all", fmt: str = "text", variants=None) -> str:
     """What ``attngrad derive --flavor FLAVOR --format FMT`` prints; with ``variants`` (some
-    of formulas.variants.VARIANTS, or "all"), what ``--variant`` prints instead: the
+    of core.variants.VARIANTS, or "all"), what ``--variant`` prints instead: the
     attention core of one head with those variants (V1-V7)."""
     if variants is not None:
         if flavor != "all":

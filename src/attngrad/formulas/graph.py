@@ -9,6 +9,7 @@ catalogue's formulas, rendered as text.
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -60,6 +61,23 @@ def _quote(s: str) -> str:
     return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+def _lines(label: str, width: int = 24) -> str:
+    """A DOT label string, broken after "=" and between words so that no line is much
+    wider than ``width`` characters (a narrow graph: it fits a page)."""
+    m = re.match(r"^(.*? \+?=) (.*)$", label)
+    head, rest = (m.group(1), m.group(2)) if m else ("", label)
+    lines = [head] if head else []
+    line = ""
+    for w in rest.split(" "):
+        if line and len(line) + 1 + len(w) > width:
+            lines.append(line)
+            line = w
+        else:
+            line = f"{line} {w}" if line else w
+    lines += [line] if line else []
+    return '"' + "\\n".join(s.replace("\\", "\\\\").replace('"', '\\"') for s in lines) + '"'
+
+
 def graph_edges(cat: Catalogue):
     """(forward, backward) edge lists: (u, v, label) with names of the catalogue's symbols."""
     fwd_formulas = [f for sec in cat.sections if sec.key == "forward" for f in sec.formulas]
@@ -85,8 +103,9 @@ def graph_dot(flavor: str) -> str:
     flavors = FLAVORS if flavor == "all" else (flavor,)
     if flavor != "all" and flavor not in (*FLAVORS, *EXTRA) and not is_variant_key(flavor):
         raise ValueError(f"flavor must be one of {', '.join((*FLAVORS, *EXTRA))} or all; got {flavor!r}")
-    out = ["digraph attngrad {", '  rankdir=TB; newrank=true; fontname="Helvetica";',
-           '  node [fontname="Helvetica", fontsize=11]; edge [fontname="Helvetica", fontsize=9];',
+    out = ["digraph attngrad {", '  rankdir=TB; newrank=true; fontname="Helvetica"; nodesep=0.18; ranksep=0.32;',
+           '  node [fontname="Helvetica", fontsize=11, margin="0.06,0.03", height=0.3];',
+           '  edge [fontname="Helvetica", fontsize=9, arrowsize=0.7];',
            '  label="attngrad graph: solid = forward (formula), dashed red = backward (local gradient)"; labelloc=t;']
     for fl in flavors:
         cat = catalogue(fl)
@@ -104,12 +123,56 @@ def graph_dot(flavor: str) -> str:
             if n not in _HEAD:
                 out.append(f"    {_quote(p + n)} [label={_quote(cat.symbols[n].txt)}, {_STYLE[_kind(n, cat, defined)]}];")
         out.append("  }")
-        for u, v, label in forward:
-            out.append(f"  {_quote(p + u)} -> {_quote(p + v)} [label={_quote(label)}];")
+        labelled = set()
+        for u, v, label in forward:  # the formula once per result, on its first edge; the others its tag
+            short = label if v not in labelled else label.split(" ", 1)[0]
+            labelled.add(v)
+            out.append(f"  {_quote(p + u)} -> {_quote(p + v)} [label={_lines(short)}];")
         for v, u, label in backward:
-            out.append(f'  {_quote(p + v)} -> {_quote(p + u)} [label={_quote(label)}, style=dashed, color="#dc2626", fontcolor="#dc2626", constraint=false];')
+            out.append(f'  {_quote(p + v)} -> {_quote(p + u)} [label={_lines(label)}, style=dashed, color="#dc2626", fontcolor="#dc2626", constraint=false];')
     out.append("}")
     return "\n".join(out) + "\n"
+
+
+class Graph:
+    """The computation graph of a flavor, as an object a notebook displays (``_repr_svg_``
+    through Graphviz's ``dot``; without it, the DOT source as Markdown).  ``dot``: the
+    source; :meth:`svg`: the drawing; :meth:`save`: :func:`write_graph`."""
+
+    def __init__(self, flavor: str = "self"):
+        self.flavor = flavor
+        self.dot = graph_dot(flavor)
+
+    def svg(self) -> str:
+        """The graph as SVG text (GraphvizError without Graphviz's ``dot``)."""
+        exe = shutil.which("dot")
+        if exe is None:
+            raise GraphvizError("drawing the graph needs Graphviz's `dot` (Debian: apt-get install graphviz)")
+        res = subprocess.run([exe, "-Tsvg"], input=self.dot, capture_output=True, text=True, check=False, timeout=60)
+        if res.returncode != 0:
+            raise GraphvizError(f"dot failed: {res.stderr.strip()}")
+        svg = res.stdout
+        return re.sub(r"<!--.*?-->", "", svg[svg.index("<svg"):], flags=re.S)
+
+    def save(self, path, fmt: str | None = None) -> list:
+        return write_graph(self.flavor, path, fmt)
+
+    def _repr_svg_(self):
+        try:
+            return self.svg()
+        except GraphvizError:
+            return None  # the notebook falls back on _repr_markdown_
+
+    def _repr_markdown_(self) -> str:
+        return f"Graphviz's `dot` is not installed; the DOT source:\n\n```dot\n{self.dot}```\n"
+
+    def __repr__(self) -> str:
+        return f"<Graph {self.flavor}: {self.dot.count(' -> ')} edges>"
+
+
+def computation_graph(flavor: str = "self") -> Graph:
+    """The computation graph of ``flavor`` (what ``attngrad graph`` writes), displayable."""
+    return Graph(flavor)
 
 
 def write_graph(flavor: str, path, fmt: str | None = None) -> list:
@@ -139,3 +202,24 @@ def write_graph(flavor: str, path, fmt: str | None = None) -> list:
     if res.returncode != 0:
         raise GraphvizError(f"dot failed on {dot_path}: {res.stderr.strip()}")
     return [dot_path, path]
+
+
+# file suffix -> the format written
+SUFFIXES = {"dot": "dot", "gv": "dot", **{f: f for f in GRAPH_FORMATS}}
+
+
+def output_format(output: str, fmt: str | None) -> str:
+    """The format to write ``output`` in: the one its suffix names (and --format, if given,
+    must agree); a suffix naming nothing this command can write is refused, so that a
+    file never holds another format than its name says."""
+    suffix = Path(output).suffix[1:].lower()
+    if suffix:
+        if suffix not in SUFFIXES:
+            raise ValueError(
+                f"cannot write {output!r}: its suffix .{suffix} names no format this command writes; "
+                f"use one of {', '.join('.' + s for s in SUFFIXES)}"
+            )
+        if fmt is not None and fmt != SUFFIXES[suffix]:
+            raise ValueError(f"--format {fmt} disagrees with the suffix of {output!r} ({SUFFIXES[suffix]})")
+        return SUFFIXES[suffix]
+    return fmt or "dot"

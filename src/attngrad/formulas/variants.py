@@ -12,29 +12,27 @@ prints one, ``attngrad graph --variant all`` draws one, and the tests evaluate t
 same trees against ``sdpa_forward`` / ``sdpa_backward`` in float64.
 
 Catalogue key: ``"variant:" + ",".join(names)`` (names from VARIANTS, in that order).
-Evaluation environment (:func:`variant_env`): per-head arrays Q_h (B, H, Lq, D), K_h,
+Evaluation environment (:func:`variant_env`, from sdpa_forward's options): per-head arrays Q_h (B, H, Lq, D), K_h,
 V_h (B, H, Lk, ·), G (B, H, Lq, Dv), the scale ``s``, and per variant ``c``, ``z`` (H,),
 ``a`` (H,), ``Bias`` (1, H, Lq, Lk), ``left``/``right``, ``qseg``/``kvseg``, ``Z`` and
 ``kappa``; ``mask0`` (padding and causal structure) and the position offset ``o``.
 """
 
+
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import numpy as np
 
-from ..check.cases import VARIANTS  # the one list of variant names (check --variant, derive, graph)
-from ..core.dense import softmax_with_sinks
 from ..core.dropout import dropout_mask
 from ..core.masks import make_mask_spec
+from ..core.variants import VARIANT_DEFAULTS, VARIANTS, parse_variants
 from ..runtime._xp import resolve_scale
 from .expr import (
-    _ATOM,
-    _PROD,
-    _SUM,
     BatchSum,
     ColOnes,
     Einsum,
-    Expr,
     Formula,
     Had,
     MaskedSoftmax,
@@ -42,7 +40,19 @@ from .expr import (
     Scale,
     SoftmaxJacobian,
     Sym,
-    _wrap,
+)
+from .variant_nodes import (
+    And,
+    Band,
+    Distance,
+    Func,
+    IndexSum,
+    Neg,
+    OneMinus,
+    Over,
+    PerHead,
+    SameSegment,
+    SinkSoftmax,
 )
 
 PREFIX = "variant:"
@@ -75,230 +85,8 @@ NOTES = (
 )
 
 
-# ---------------------------------------------------------------- expression nodes
-
-
-class Func(Expr):
-    """A named elementwise function of one argument: tanh A, sech² A."""
-
-    def __init__(self, name: str, tex: str, a: Expr, fn):
-        self.name, self.tex, self.fn, self.children = name, tex, fn, (a,)
-
-    def latex(self):
-        return self.tex + r"\left(" + self.children[0].latex() + r"\right)"
-
-    def text(self):
-        return self.name + "(" + self.children[0].text() + ")"
-
-    def evaluate(self, env):
-        return self.fn(self.children[0].evaluate(env))
-
-
-class Over(Expr):
-    """A / c for a scalar symbol c."""
-
-    prec = _PROD
-
-    def __init__(self, a: Expr, c: Sym):
-        self.children = (a, c)
-
-    def latex(self):
-        a, c = self.children
-        return _wrap(a, _PROD, "latex") + " / " + c.latex()
-
-    def text(self):
-        a, c = self.children
-        return _wrap(a, _PROD, "text") + " / " + c.text()
-
-    def evaluate(self, env):
-        a, c = self.children
-        return a.evaluate(env) / c.evaluate(env)
-
-
-class OneMinus(Expr):
-    """1 − A."""
-
-    prec = _SUM
-
-    def __init__(self, a: Expr):
-        self.children = (a,)
-
-    def latex(self):
-        return "1 - " + _wrap(self.children[0], _SUM + 1, "latex")
-
-    def text(self):
-        return "1 − " + _wrap(self.children[0], _SUM + 1, "text")
-
-    def evaluate(self, env):
-        return 1.0 - self.children[0].evaluate(env)
-
-
-class Neg(Expr):
-    """−A."""
-
-    prec = _PROD
-
-    def __init__(self, a: Expr):
-        self.children = (a,)
-
-    def latex(self):
-        return "-" + _wrap(self.children[0], _PROD, "latex")
-
-    def text(self):
-        return "−" + _wrap(self.children[0], _PROD, "text")
-
-    def evaluate(self, env):
-        return -self.children[0].evaluate(env)
-
-
-class IndexSum(Expr):
-    """Σ_{idx} A over every axis but the head axis 1 (a vector (H,)), or over every axis
-    (``keep_heads=False``: a scalar)."""
-
-    prec = _PROD
-
-    def __init__(self, a: Expr, idx: str, keep_heads: bool = True):
-        self.idx, self.keep_heads, self.children = idx, keep_heads, (a,)
-
-    def latex(self):
-        return r"\sum_{" + self.idx + "} " + _wrap(self.children[0], _PROD, "latex")
-
-    def text(self):
-        return "Σ_{" + self.idx + "} " + _wrap(self.children[0], _PROD, "text")
-
-    def evaluate(self, env):
-        a = np.asarray(self.children[0].evaluate(env))
-        if not self.keep_heads:
-            return np.sum(a)
-        return np.sum(a, axis=tuple(ax for ax in range(a.ndim) if ax != 1))
-
-
-class PerHead(Expr):
-    """a_h A: the per-head vector a (H,) times the per-head array A (…, H, Lq, Lk)."""
-
-    prec = _PROD
-
-    def __init__(self, a: Sym, m: Expr):
-        self.children = (a, m)
-
-    def latex(self):
-        a, m = self.children
-        return a.latex() + r"_h\, " + _wrap(m, _PROD, "latex")
-
-    def text(self):
-        a, m = self.children
-        return a.text() + "_h " + _wrap(m, _PROD, "text")
-
-    def evaluate(self, env):
-        a, m = self.children
-        return np.reshape(a.evaluate(env), (1, -1, 1, 1)) * m.evaluate(env)
-
-
-class Distance(Expr):
-    """|i + o − j|: the distance of query position pos(i) = i + o from key j (V4)."""
-
-    def latex(self):
-        return r"\left|i + o - j\right|"
-
-    def text(self):
-        return "|i + o − j|"
-
-    def evaluate(self, env):
-        i = np.arange(env["Lq"])[:, None] + env["o"]
-        return np.abs(i - np.arange(env["Lk"])[None, :]).astype(np.float64)  # (Lq, Lk)
-
-
-class Band(Expr):
-    """[i + o − left ≤ j ≤ i + o + right]: the sliding window (V5); None = unbounded."""
-
-    def latex(self):
-        return r"\left[i + o - \ell \le j \le i + o + r\right]"
-
-    def text(self):
-        return "[i + o − ℓ ≤ j ≤ i + o + r]"
-
-    def evaluate(self, env):
-        rel = np.arange(env["Lk"])[None, :] - (np.arange(env["Lq"])[:, None] + env["o"])  # j − pos(i)
-        ok = np.ones(rel.shape, dtype=bool)
-        if env["left"] is not None:
-            ok &= rel >= -env["left"]
-        if env["right"] is not None:
-            ok &= rel <= env["right"]
-        return ok  # (Lq, Lk)
-
-
-class SameSegment(Expr):
-    """[qseg_i = kvseg_j]: packed documents (V6), per sequence: (B, 1, Lq, Lk)."""
-
-    def __init__(self, qs: Sym, ks: Sym):
-        self.children = (qs, ks)
-
-    def latex(self):
-        qs, ks = self.children
-        return r"\left[" + qs.latex() + "_{i} = " + ks.latex() + r"_{j}\right]"
-
-    def text(self):
-        qs, ks = self.children
-        return "[" + qs.text() + "_i = " + ks.text() + "_j]"
-
-    def evaluate(self, env):
-        qs, ks = (np.asarray(c.evaluate(env)) for c in self.children)
-        return (qs[:, :, None] == ks[:, None, :])[:, None]  # (B, 1, Lq, Lk)
-
-
-class And(Expr):
-    """A ∧ B for boolean structures."""
-
-    prec = _PROD
-
-    def __init__(self, *parts: Expr):
-        self.children = parts
-
-    def latex(self):
-        return r" \wedge ".join(_wrap(c, _ATOM, "latex") for c in self.children)
-
-    def text(self):
-        return " ∧ ".join(_wrap(c, _ATOM, "text") for c in self.children)
-
-    def evaluate(self, env):
-        out = self.children[0].evaluate(env)
-        for c in self.children[1:]:
-            out = out & c.evaluate(env)
-        return out
-
-
-class SinkSoftmax(Expr):
-    """softmax_{𝓜,z}(S): the row softmax over the allowed keys with head h's sink logit in
-    every denominator (V2).  Evaluated with the library's ``softmax_with_sinks``."""
-
-    def __init__(self, s: Expr, mask: Sym, z: Sym):
-        self.children = (s, mask, z)
-
-    def latex(self):
-        s, m, z = self.children
-        return r"\operatorname{softmax}_{" + m.latex() + ", " + z.latex() + r"_h}\left(" + s.latex() + r"\right)"
-
-    def text(self):
-        s, m, z = self.children
-        return "softmax_{" + m.text() + ", " + z.text() + "_h}(" + s.text() + ")"
-
-    def evaluate(self, env):
-        s, m, z = (c.evaluate(env) for c in self.children)
-        return softmax_with_sinks(np, np.array(s, dtype=np.float64), m, np.reshape(z, (1, -1, 1, 1)))[0]
-
 
 # ---------------------------------------------------------------- the catalogue
-
-
-def parse_variants(names) -> tuple:
-    """A tuple of VARIANTS names (in VARIANTS' order), or "all"; ValueError otherwise."""
-    if names == "all" or names == ("all",):
-        return VARIANTS
-    names = tuple(names)
-    bad = [n for n in names if n not in VARIANTS]
-    if bad or not names or len(set(names)) != len(names):
-        raise ValueError(f"variants must be 'all' or some of {', '.join(VARIANTS)} (no repeats); got {names!r}")
-    return tuple(n for n in VARIANTS if n in names)
 
 
 def variant_key(names) -> str:
@@ -469,34 +257,35 @@ _BACKWARD_INTRO = (
 # ---------------------------------------------------------------- evaluation environment
 
 
-def variant_env(names, q, k, v, g, *, scale=None, softcap=None, sinks=None, alibi_slopes=None, bias=None,
-                window=None, q_segment_ids=None, kv_segment_ids=None, dropout_p=0.0, dropout_seed=None,
-                key_lengths=None, causal=False) -> dict:
+def variant_env(names, q, k, v, g, options: Mapping | None = None) -> dict:
     """The starting environment of a variant catalogue (NumPy float64, heads H = Hkv).
 
-    ``mask0`` (padding and causal) is built by the library's one mask rule; the window and
-    the segments are formulas of the catalogue (V5, V6), as are ALiBi's distances (V4)."""
+    ``options``: the keyword options of :func:`attngrad.sdpa_forward` the problem uses
+    (scale, the variants' values, key_lengths, causal).  ``mask0`` (padding and causal) is
+    built by the library's one mask rule; the window and the segments are formulas of the
+    catalogue (V5, V6), as are ALiBi's distances (V4)."""
     on = set(parse_variants(names))
-    b, h, lq, d = q.shape
+    o = {**VARIANT_DEFAULTS, "scale": None, "key_lengths": None, "causal": False, **(options or {})}
+    b, h, lq, d = q.shape  # (B, H, Lq, D)
     lk = k.shape[2]
-    spec = make_mask_spec(np, b, h, lq, lk, key_lengths=key_lengths, causal=causal)
+    spec = make_mask_spec(np, b, h, lq, lk, key_lengths=o["key_lengths"], causal=o["causal"])
     allowed = spec.block(np)
     env = {
         "Q_h": q, "K_h": k, "V_h": v, "G": g, "H": h, "Lq": lq, "Lk": lk, "o": spec.offset,
-        "s": resolve_scale(scale, d),
+        "s": resolve_scale(o["scale"], d),
         "mask0": np.ones((1, 1, lq, lk), dtype=bool) if allowed is None else allowed,
     }
     if "softcap" in on:
-        env["c"] = float(softcap)
+        env["c"] = float(o["softcap"])
     if "sinks" in on:
-        env["z"] = np.asarray(sinks, dtype=np.float64)
+        env["z"] = np.asarray(o["sinks"], dtype=np.float64)
     if "alibi" in on:
-        env["a"], env["Bias"] = np.asarray(alibi_slopes, dtype=np.float64), bias
+        env["a"], env["Bias"] = np.asarray(o["alibi_slopes"], dtype=np.float64), o["bias"]
     if "window" in on:
-        env["left"], env["right"] = window
+        env["left"], env["right"] = o["window"]
     if "segments" in on:
-        env["qseg"], env["kvseg"] = q_segment_ids, kv_segment_ids
+        env["qseg"], env["kvseg"] = o["q_segment_ids"], o["kv_segment_ids"]
     if "dropout" in on:
-        env["Z"] = dropout_mask(dropout_seed, (b, h, lq, lk), dropout_p)
-        env["kappa"] = 1.0 / (1.0 - dropout_p)
+        env["Z"] = dropout_mask(o["dropout_seed"], (b, h, lq, lk), o["dropout_p"])
+        env["kappa"] = 1.0 / (1.0 - o["dropout_p"])
     return env

@@ -13,7 +13,7 @@ Each call's validated structure is memoised by its inputs' dtypes and shapes and
 options' values (:mod:`.memo`; ``memo.clear()`` empties it), so repeated calls of one
 shape run no checks.
 
-Today's variants (V1-V7, :mod:`.variants`): every function takes sdpa_forward's variant
+The variants (V1-V7, :mod:`.variants`): every function takes sdpa_forward's variant
 keywords by name; the JVPs, Jacobians and HVPs carry all of them (soft-cap, sinks, bias,
 ALiBi, window, segments, dropout; sinks, slopes and bias as fixed values), and
 ``scale_grad`` is refused: a ValueError naming the option, never a silent wrong answer.
@@ -26,9 +26,11 @@ from .columns import (
     to_columns,
     to_rows,
 )
-from .full import mha_jacobian, sdpa_jacobian
+from .full import sdpa_jacobian
+from .full_layer import mha_jacobian
 from .hvp import AttnSecondOrder, LayerSecondOrder, mha_hvp, sdpa_hvp
-from .jvp import mha_jvp, sdpa_jvp
+from .jvp import sdpa_jvp
+from .layer import mha_jvp
 
 __all__ = [
     "AttnSecondOrder",

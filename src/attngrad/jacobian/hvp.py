@@ -23,15 +23,10 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..core.options import options_in
 from ..runtime.ops import merge_heads, split_heads, weight_grad
-from .jvp import (
-    AttnJVP,
-    _f64,
-    attention_jvp_parts,
-    attention_structure,
-    check_layer,
-    layer_jvp_parts,
-)
+from .jvp import AttnJVP, _f64, attention_primal, attention_structure, attention_tangents
+from .layer import LayerCall, check_layer, layer_jvp_parts
 from .variants import refuse_unsupported
 
 
@@ -92,8 +87,9 @@ def _loss_grad(y, ty, cotangent, target, what: str):
 
 
 def sdpa_hvp(q, k, v, tq=None, tk=None, tv=None, *, cotangent=None, target=None, mask=None,
-             key_lengths=None, key_mask=None, causal=False, scale=None, bias=None, softcap=None, sinks=None, alibi_slopes=None, window=None, q_segment_ids=None,
-             kv_segment_ids=None, dropout_p=0.0, dropout_seed=None, scale_grad=False) -> AttnSecondOrder:
+             key_lengths=None, key_mask=None, causal=False, scale=None, bias=None, softcap=None, sinks=None,
+             alibi_slopes=None, window=None, q_segment_ids=None, kv_segment_ids=None, dropout_p=0.0,
+             dropout_seed=None, scale_grad=False) -> AttnSecondOrder:
     """Gradient and Hessian-vector product of a scalar loss of attention w.r.t. (Q, K, V).
 
     L = ⟨G, O⟩ (``cotangent=G``) or L = ½‖O − T‖² (``target=T``); the direction is
@@ -101,13 +97,8 @@ def sdpa_hvp(q, k, v, tq=None, tk=None, tv=None, *, cotangent=None, target=None,
     hvp = ∇²L · (tq, tk, tv).  Masks as in sdpa_forward.  Variants: every one of
     sdpa_forward's, with sinks, alibi_slopes and bias as fixed values; scale_grad is refused
     (ValueError)."""
-    variants = {"bias": bias, "softcap": softcap, "sinks": sinks, "alibi_slopes": alibi_slopes, "window": window,
-                "q_segment_ids": q_segment_ids, "kv_segment_ids": kv_segment_ids, "dropout_p": dropout_p,
-                "dropout_seed": dropout_seed, "scale_grad": scale_grad}
-    _, allowed, s, var = attention_structure(q, k, v, mask=mask, key_lengths=key_lengths, key_mask=key_mask,
-                                             causal=causal, scale=scale, variants=variants, who="sdpa_hvp",
-                                             kind="hvp")
-    r = attention_jvp_parts(q, k, v, tq, tk, tv, allowed, s, var)
+    _, allowed, s, var = attention_structure(q, k, v, options_in(locals()), who="sdpa_hvp", kind="hvp")
+    r = attention_tangents(attention_primal(q, k, v, allowed, s, var), tq, tk, tv)  # (A1)-(A3), (J1)-(J3)
     dout, tdout = _loss_grad(r.out, r.tout, cotangent, target, "output")
     return attention_backward_jvp(r, dout, tdout)
 
@@ -139,14 +130,10 @@ def mha_hvp(params, query, key=None, value=None, *, tangents=None, cotangent=Non
     w.r.t. all parameters and inputs jointly.  ``tangents`` is the direction: a dict with
     some of the parameter names and "query"/"key"/"value" (missing = 0).  Variants as
     sdpa_hvp."""
-    variants = {"bias": bias, "softcap": softcap, "sinks": sinks, "alibi_slopes": alibi_slopes, "window": window,
-                "q_segment_ids": q_segment_ids, "kv_segment_ids": kv_segment_ids, "dropout_p": dropout_p,
-                "dropout_seed": dropout_seed, "scale_grad": scale_grad}
-    refuse_unsupported("mha_hvp", "hvp", variants)
+    call = LayerCall(num_heads, num_kv_heads, options_in(locals()), "mha_hvp", "hvp")
+    refuse_unsupported(call.who, call.kind, call.options)
     H, _, roles, _ = check_layer(params, query, key, value, num_heads, num_kv_heads)
-    r = layer_jvp_parts(params, query, key, value, tangents=tangents, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                        mask=mask, key_lengths=key_lengths, key_mask=key_mask, causal=causal, scale=scale,
-                        **variants, who="mha_hvp", kind="hvp")
+    r = layer_jvp_parts(params, query, key, value, call, tangents)
     _one_direction(tangents, params, {"query": query, "key": key, "value": value})
     given = dict(tangents or {})
     tparams = {n: np.zeros_like(a) if given.get(n) is None else given[n] for n, a in params.items()}

@@ -49,7 +49,7 @@ def _four(a: np.ndarray) -> np.ndarray:
 def layer_heads(kern, params, srcs, heads: int, kv_heads: int) -> tuple:
     """(M1) Q, K, V split into heads, (B, H, Lq, D), (B, Hkv, Lk, D), (B, Hkv, Lk, Dv), by
     the compiled ``layer_heads`` for checked float64 ``params`` and sources (X_q, X_k, X_v)
-    (:func:`.jvp.check_layer`): the same arrays as :func:`.jvp._projections` and
+    (:func:`.layer.check_layer`): the same arrays as :func:`.layer._projections` and
     ``split_heads``, summed in another order."""
     (B, Lq, _), Lk = srcs[0].shape, srcs[1].shape[1]
     w = [params[f"W_{n}"] for n in "qkv"]

@@ -1,8 +1,9 @@
-"""Today's variants (docs/equations.md, V1-V7) in the forward-mode and second-order tools.
+"""The variants (docs/equations.md, V1-V7) in the forward-mode and second-order tools.
 
 Every public function of :mod:`attngrad.jacobian` takes the variant keywords of
-:func:`attngrad.sdpa_forward` explicitly, and either supports one or refuses it with a
-ValueError that names it: never a silent wrong answer, never Python's generic
+:func:`attngrad.sdpa_forward` (passed on inside as one
+:class:`~attngrad.core.options.AttentionOptions`), and either supports one or refuses it
+with a ValueError that names it: never a silent wrong answer, never Python's generic
 "unexpected keyword argument".  The values are validated by the library's one front door
 (``core.problem.make_problem``); the variants enter the JVP as fixed values:
 
@@ -27,21 +28,8 @@ import numpy as np
 
 from ..core.dropout import keep_heads
 from ..core.logits import alibi_distance
+from ..core.options import AttentionOptions
 from ..core.problem import Problem
-
-# the variant keywords of sdpa_forward and their "off" values
-VARIANT_DEFAULTS = {
-    "bias": None,
-    "softcap": None,
-    "sinks": None,
-    "alibi_slopes": None,
-    "window": None,
-    "q_segment_ids": None,
-    "kv_segment_ids": None,
-    "dropout_p": 0.0,
-    "dropout_seed": None,
-    "scale_grad": False,
-}
 
 SCALE_GRAD = "it asks the backward for dL/dscale; these tools take no tangent for the scale"
 
@@ -63,12 +51,13 @@ def _active(name: str, value) -> bool:
     return value is not None
 
 
-def refuse_unsupported(who: str, kind: str, options: dict) -> None:
+def refuse_unsupported(who: str, kind: str, options: AttentionOptions) -> None:
     """ValueError naming the first option of ``options`` that ``who`` (a tool of ``kind``:
     "jvp", "closed" or "hvp") cannot honour."""
     for name, why in REFUSED[kind].items():
-        if _active(name, options.get(name, VARIANT_DEFAULTS[name])):
-            raise ValueError(f"{who} does not support {name}={options[name]!r}: {why}")
+        value = getattr(options, name)
+        if _active(name, value):
+            raise ValueError(f"{who} does not support {name}={value!r}: {why}")
 
 
 class LogitVariants(NamedTuple):

@@ -4,8 +4,9 @@
 
 Arrays are laid out as JAX lays them out, (B, T, N, H): batch, query length, heads, head
 dim (keys and values (B, S, K, H), N a multiple of K).  The forward and the backward are
-attngrad's NumPy :func:`attngrad.sdpa_forward` / :func:`attngrad.sdpa_backward` on the host,
-called through ``jax.pure_callback``, so the function works under ``jit``, ``grad`` and
+attngrad's NumPy :func:`attngrad.sdpa_forward` / :func:`attngrad.sdpa_backward` on the host
+(``impl="auto"``: the tiled/compiled fast path for large problems), called through
+``jax.pure_callback``, so the function works under ``jit``, ``grad`` and
 ``vmap``.  The backward keeps only the inputs as residuals and recomputes the forward on
 the host before :func:`attngrad.sdpa_backward` (FlashAttention's recomputation; nothing
 lives between the two callbacks).
@@ -69,7 +70,7 @@ def _core_problem(opts: JaxOptions, q, k, v, bias, mask, q_lengths, kv_lengths):
         "causal": opts.causal,
         "scale": opts.scale,
         "window": opts.window,
-        "impl": "dense",
+        "impl": "auto",  # the tiled/compiled path (O(N) memory) where attngrad's size rule says it pays
     }
     return (_to_bhld(q), _to_bhld(k), _to_bhld(v)), kwargs
 

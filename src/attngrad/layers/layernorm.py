@@ -1,4 +1,5 @@
-"""Layer normalisation over the last axis (docs/training.md, N1-N6).
+"""Layer normalisation over the last axis (docs/training.md, N1-N6): the LayerNorm of the
+Transformer blocks, parameters as a mapping {"g": (E,), "b": (E,)}.
 
     mu = mean(x)                          (N1)
     rstd = 1 / sqrt(mean((x - mu)^2) + eps)  (N2)
@@ -7,6 +8,11 @@
 backward:
     dg = sum dy * xhat,  db = sum dy      (N5)
     dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)),  dxhat = dy * g   (N6)
+
+NumPy float32 / float64 with the ``fast`` extra: one compiled pass per row
+(:mod:`._layernorm_kernels`, the means in float64).  Otherwise the weight-only layer norm
+of :mod:`.norm` (kind "layer", QN2-QN6: the same maths) with the bias added: one
+implementation of the NumPy / array-API steps for this layer and QK-norm alike.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ from typing import NamedTuple
 import numpy as np
 
 from ..runtime import fused
+from ..runtime._xp import namespace
+from .norm import NormCache, norm_backward, norm_forward
 
 
 class LayerNormCache(NamedTuple):
@@ -30,21 +38,19 @@ def init_layernorm(dim: int, dtype="float64") -> dict:
     return {"g": np.ones(dim, dtype=dtype), "b": np.zeros(dim, dtype=dtype)}
 
 
-def _row_sum(a, b=None):
-    """Sum over the last axis, of ``a`` or of ``a * b``, without a temporary: (..., 1).
-    einsum: the same accumulation dtype as ``np.sum`` at a fraction of the call overhead
-    on short rows (issue 13: 11 vs 39 us for (1088, 64) float32)."""
-    s = np.einsum("...i->...", a) if b is None else np.einsum("...i,...i->...", a, b)
-    return s[..., None]
-
-
-def _lead_sum(a, b=None):
-    """Sum over every axis but the last, of ``a`` or of ``a * b``: (E,)."""
-    a2 = a.reshape(-1, a.shape[-1])
-    return np.einsum("ij->j", a2) if b is None else np.einsum("ij,ij->j", a2, b.reshape(a2.shape))
-
-
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+_KERNELS = None  # (layernorm_rows, layernorm_grad_rows) once compiled
+
+
+def _kernels():
+    """The compiled row kernels, compiled on first use (the runtime's fused kernels must be
+    on: :func:`..runtime.fused.enabled`)."""
+    global _KERNELS
+    if _KERNELS is None:
+        from . import _layernorm_kernels as k
+
+        _KERNELS = (k.layernorm_rows, k.layernorm_grad_rows)
+    return _KERNELS
 
 
 def _compiled(*arrays) -> bool:
@@ -56,54 +62,33 @@ def _compiled(*arrays) -> bool:
 
 
 def layernorm_forward(params, x, *, eps: float = 1e-5):
-    """params {"g": (E,), "b": (E,)}, X (..., E) -> (Y (..., E), cache).  NumPy float32 /
-    float64 with the ``fast`` extra: one compiled pass per row (the means in float64),
-    else the NumPy steps below (the reference the tests hold it to)."""
+    """params {"g": (E,), "b": (E,)}, X (..., E) -> (Y (..., E), cache)."""
     g, b = params["g"], params["b"]
-    if _compiled(x, g, b):
-        e = x.shape[-1]
-        x2 = np.ascontiguousarray(x).reshape(-1, e)  # (N, E)
-        y, xhat = np.empty(x2.shape, x.dtype), np.empty(x2.shape, x.dtype)
-        rstd = np.empty(x2.shape[0], x.dtype)
-        fused.kernels()["layernorm_rows"](x2, g, b, float(eps), y, xhat, rstd)  # (N1)-(N4)
-        lead = x.shape[:-1]
-        return y.reshape(x.shape), LayerNormCache(xhat.reshape(x.shape), rstd.reshape(*lead, 1), g)
-    n = x.shape[-1]
-    mu = _row_sum(x)
-    mu /= n  # (N1) (..., 1)
-    xc = x - mu  # (..., E)
-    var = _row_sum(xc, xc)
-    var /= n  # (N2) (..., 1) two passes: no cancellation in E[x^2] - mu^2
-    var += x.dtype.type(eps)
-    rstd = np.sqrt(var, out=var)
-    rstd = np.divide(x.dtype.type(1.0), rstd, out=rstd)  # (N2) (..., 1)
-    xhat = np.multiply(xc, rstd, out=xc)  # (N3) (..., E) in xc's buffer
-    y = xhat * params["g"]
-    y += params["b"]  # (N4) (..., E)
-    return y, LayerNormCache(xhat, rstd, params["g"])
+    if not _compiled(x, g, b):
+        y, c = norm_forward(x, g, kind="layer", eps=eps, w_name="params['g']", b=b, b_name="params['b']")
+        return y, LayerNormCache(c.xhat, c.rstd, c.w)  # (N1)-(N4) as (QN2, QN3) plus b
+    e = x.shape[-1]
+    x2 = np.ascontiguousarray(x).reshape(-1, e)  # (N, E)
+    y, xhat = np.empty(x2.shape, x.dtype), np.empty(x2.shape, x.dtype)
+    rstd = np.empty(x2.shape[0], x.dtype)
+    _kernels()[0](x2, g, b, float(eps), y, xhat, rstd)  # (N1)-(N4)
+    lead = x.shape[:-1]
+    return y.reshape(x.shape), LayerNormCache(xhat.reshape(x.shape), rstd.reshape(*lead, 1), g)
 
 
 def layernorm_backward(dy, cache: LayerNormCache):
-    """dY (..., E) -> (dX (..., E), {"g": dg, "b": db}).  Compiled as the forward (dg, db
-    summed in float64), else the NumPy steps below."""
+    """dY (..., E) -> (dX (..., E), {"g": dg, "b": db}); compiled as the forward (dg, db
+    summed in float64)."""
     xhat, rstd = cache.xhat, cache.rstd
-    if _compiled(dy, xhat, rstd, cache.g) and dy.shape == xhat.shape:
-        e = dy.shape[-1]
-        dy2 = np.ascontiguousarray(dy).reshape(-1, e)  # (N, E)
-        dx = np.empty(dy2.shape, dy.dtype)
-        dg, db = np.zeros(e), np.zeros(e)  # (N5) float64 accumulators
-        fused.kernels()["layernorm_grad_rows"](dy2, np.ascontiguousarray(xhat).reshape(-1, e),
-                                               np.ascontiguousarray(rstd).reshape(-1), cache.g, dx, dg, db,
-                                               np.empty(e, dy.dtype))
-        return dx.reshape(dy.shape), {"g": dg.astype(dy.dtype), "b": db.astype(dy.dtype)}
-    n = dy.shape[-1]
-    grads = {"g": _lead_sum(dy, xhat), "b": _lead_sum(dy)}  # (N5) (E,)
-    dx = dy * cache.g  # (N6) dxhat (..., E)
-    mean_d = _row_sum(dx)
-    mean_d /= n  # (N6) (..., 1)
-    mean_dx = _row_sum(dx, xhat)
-    mean_dx /= n  # (N6) (..., 1)
-    dx -= mean_d
-    dx -= xhat * mean_dx
-    dx *= rstd  # (N6) dx = rstd * (dxhat - mean_d - xhat * mean_dx)  (..., E)
-    return dx, grads
+    if not (_compiled(dy, xhat, rstd, cache.g) and dy.shape == xhat.shape):
+        dx, dg = norm_backward(dy, NormCache("layer", xhat, rstd, cache.g, dy.dtype))  # (N6), (N5)
+        lead = tuple(range(len(dy.shape) - 1))
+        db = namespace(dy).sum(dy, axis=lead) if lead else dy  # (N5) (E,)
+        return dx, {"g": dg, "b": db}
+    e = dy.shape[-1]
+    dy2 = np.ascontiguousarray(dy).reshape(-1, e)  # (N, E)
+    dx = np.empty(dy2.shape, dy.dtype)
+    dg, db = np.zeros(e), np.zeros(e)  # (N5) float64 accumulators
+    _kernels()[1](dy2, np.ascontiguousarray(xhat).reshape(-1, e), np.ascontiguousarray(rstd).reshape(-1),
+                  cache.g, dx, dg, db, np.empty(e, dy.dtype))  # (N5), (N6)
+    return dx.reshape(dy.shape), {"g": dg.astype(dy.dtype), "b": db.astype(dy.dtype)}

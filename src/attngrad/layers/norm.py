@@ -1,7 +1,8 @@
 """Weight-only normalisation over the last axis: RMSNorm and LayerNorm without a bias
 (docs/equations.md, QN1-QN6).  One pair of functions serves the attention layer's per-head
-QK-norm (``mha_forward(..., qk_norm="rms" | "layer")``) and the Llama block's RMSNorm
-(layers/rmsnorm.py).
+QK-norm (``mha_forward(..., qk_norm="rms" | "layer")``), the Llama block's RMSNorm
+(layers/rmsnorm.py) and, with a bias, the Transformer blocks' LayerNorm where its compiled
+row kernels do not run (layers/layernorm.py).
 
     rms:    rstd = 1 / sqrt(mean(x^2) + eps),         xhat = x * rstd              (QN1)
     layer:  rstd = 1 / sqrt(mean((x - mu)^2) + eps),  xhat = (x - mu) * rstd       (QN2)
@@ -52,19 +53,28 @@ def check_eps(eps, name: str = "eps") -> float:
     return check_positive(eps, name)
 
 
-def norm_forward(x, w, *, kind: str = "rms", eps: float = 1e-6, x_name="x", w_name="w"):
-    """Y = w * normalise(X) over the last axis: X (..., D), w (D,) -> (Y (..., D), cache)."""
+def _check_vector(name: str, v, x, x_name: str) -> None:
+    check_array(name, v, 1, "(D,)")
+    if len(x.shape) < 1 or tuple(v.shape) != (x.shape[-1],):
+        raise ValueError(
+            f"{name} must have shape (D,) = ({x.shape[-1] if len(x.shape) else '?'},) to match "
+            f"{x_name} of shape {tuple(x.shape)}; got {tuple(v.shape)}"
+        )
+
+
+def norm_forward(x, w, *, kind: str = "rms", eps: float = 1e-6, x_name="x", w_name="w", b=None, b_name="b"):
+    """Y = w * normalise(X) over the last axis, plus b when given (LayerNorm's N4):
+    X (..., D), w (D,), b (D,) or None -> (Y (..., D), cache)."""
     check_kind(kind)
     eps = check_eps(eps)
     check_array(x_name, x)
-    check_array(w_name, w, 1, "(D,)")
-    if len(x.shape) < 1 or tuple(w.shape) != (x.shape[-1],):
-        raise ValueError(
-            f"{w_name} must have shape (D,) = ({x.shape[-1] if len(x.shape) else '?'},) to match "
-            f"{x_name} of shape {tuple(x.shape)}; got {tuple(w.shape)}"
-        )
-    dtype = check_float_dtypes({x_name: x, w_name: w})
-    xp = namespace(x, w)
+    _check_vector(w_name, w, x, x_name)
+    arrays = {x_name: x, w_name: w}
+    if b is not None:
+        _check_vector(b_name, b, x, x_name)
+        arrays[b_name] = b
+    dtype = check_float_dtypes(arrays)
+    xp = namespace(x, w, b)
     cdt = compute_dtype(xp, dtype)
     xc, wc = xp.astype(x, cdt, copy=False), xp.astype(w, cdt, copy=False)
     if kind == "layer":
@@ -72,6 +82,8 @@ def norm_forward(x, w, *, kind: str = "rms", eps: float = 1e-6, x_name="x", w_na
     rstd = 1.0 / xp.sqrt(xp.mean(xc * xc, axis=-1, keepdims=True) + eps)  # (QN1, QN2) (..., 1)
     xhat = xc * rstd  # (QN1, QN2) (..., D)
     y = xhat * wc  # (QN3) (..., D)
+    if b is not None:
+        y = y + xp.astype(b, cdt, copy=False)  # (N4) (..., D)
     return xp.astype(y, dtype, copy=False), NormCache(kind, xhat, rstd, wc, dtype)
 
 

@@ -7,11 +7,12 @@
 """
 
 from .flavor import flavor_report
-from .html import write_atomic
+from .html import HTMLPage, write_atomic
 from .mathml import formula_mathml, mathml
 from .run import run_report, save_attention_snapshot, write_run_report
 
 __all__ = [
+    "HTMLPage",
     "flavor_report",
     "formula_mathml",
     "mathml",

@@ -22,7 +22,7 @@ import numpy as np
 from ..check import CheckConfig, build_case, closed_form_gradients, run_check
 from ..check.report import PRETTY
 from ..check.runner import REL_FLOOR, case_scale, errors
-from ..formulas import catalogue, evaluate_catalogue, graph_dot, layer_env
+from ..formulas import catalogue, evaluate_catalogue, graph_dot, layer_env, numeric_walkthrough
 from ..formulas.catalogue import FLAVOR_TITLES, FLAVORS
 from ..formulas.document import MASKS_AND_SCALE
 from .html import esc, page, table
@@ -71,12 +71,12 @@ def graph_svg(flavor: str) -> str | None:
 
 def _equations(flavor: str) -> str:
     cat = catalogue(flavor)
-    out = ["<h2>Symbols</h2>",
-           '<p class="note">Per sequence; shapes of one head where the name has h.</p>',
+    out = [f'<details class="symbols"><summary>Symbols ({len(cat.symbols)}): what each letter means and its '
+           "shape (per sequence; shapes of one head where the name has h)</summary>",
            '<div class="syms">',
            *(f'<div class="sym"><span class="s">{symbol_mathml(s)}</span><span class="shape">{esc(s.shape)}</span>'
              f"<span>{esc(s.meaning)}</span></div>" for s in cat.symbols.values()),
-           "</div>"]
+           "</div></details>"]
     for sec in cat.sections:
         out.append(f"<h2>{esc(sec.title)}</h2><p>{esc(sec.intro)}</p>")
         for f in sec.formulas:
@@ -94,7 +94,9 @@ def _heatmaps(data: FlavorData) -> str:
     out = ["<h2>Attention and its gradients, per sequence and head</h2>",
            '<p class="note">P (A2), dP (A5) and dS (A7) evaluated from the formula trees above on the '
            "seeded case of <code>attngrad check</code>; masked entries of P are exactly 0, and so are "
-           "those of dS. Blue negative, red positive, white 0 (dP, dS).</p>"]
+           "those of dS. P's colour scale runs from 0 to the largest probability of its map (a row of "
+           "n keys averages 1/n, so a 0–1 scale would look uniformly dark). Blue negative, red "
+           "positive, white 0 (dP, dS).</p>"]
     for bi in range(b):
         for hi in range(h):
             kl_note = "" if case.masks.key_lengths is None else f" (key length {int(case.masks.key_lengths[bi])})"
@@ -102,13 +104,14 @@ def _heatmaps(data: FlavorData) -> str:
             for name, title, kind in (("P_h", "P (probabilities)", "sequential"),
                                       ("dP_h", "dP = dO Vᵀ", "diverging"),
                                       ("dS_h", "dS = P ∘ (dP − δ 1ᵀ)", "diverging")):
-                vmin, vmax = (0.0, 1.0) if kind == "sequential" else (None, None)
+                top = float(np.max(env[name][bi, hi])) if kind == "sequential" else None
+                vmin, vmax = (0.0, top if top and top > 0 else 1.0) if kind == "sequential" else (None, None)
                 out.append(heatmap(env[name][bi, hi], title=f"{title}, b={bi} h={hi}",
                                    xlabel=kl_name, ylabel="query i", xlabels=kl, ylabels=ql,
                                    kind=kind, vmin=vmin, vmax=vmax))
             out.append("</div>")
     out.append("<h2>Parameter and input gradients</h2>"
-               '<p class="note">Every gradient of L = Σ G ∘ Y, from the formula trees (M5, M7, M8, M9); '
+               '<p class="note">Every gradient of L = Σ G ∘ Y, from the formula trees (M5, M7–M10); '
                "rows are the first index (input feature for W, row of the batch for X).</p>"
                '<div class="figs">')
     for name in ("W_q", "W_k", "W_v", "W_o"):
@@ -149,10 +152,30 @@ def _check_table(cfg: CheckConfig) -> str:
                     rows, classes) + verdict + notes)
 
 
-def flavor_report(flavor: str, *, seed: int = 0, check: bool = True) -> str:
-    """The HTML page of one flavor (a string)."""
+def default_seed(flavor: str) -> int:
+    """The report's default case: the first seed (0, 1, …) whose sequences all have at least
+    one real key (``attngrad check``'s cases may pad a sequence to key length 0, whose
+    heatmaps would be blank)."""
+    for seed in range(100):
+        kl = build_case(flavor, CheckConfig(flavors=(flavor,), seed=seed)).masks.key_lengths
+        if kl is None or int(np.min(kl)) > 0:
+            return seed
+    return 0
+
+
+def _walkthrough(flavor: str) -> str:
+    walk = numeric_walkthrough(flavor)
+    return ("<h2>Numbers you can follow</h2>"
+            '<p class="note">Every intermediate of a tiny case, beside its equation tag: what '
+            f"<code>attngrad derive --numeric --flavor {esc(flavor)}</code> prints "
+            "(<code>attngrad.formulas.numeric_walkthrough</code>).</p>" + walk.html())
+
+
+def flavor_report(flavor: str, *, seed: int | None = None, check: bool = True) -> str:
+    """The HTML page of one flavor (a string, an :class:`~.html.HTMLPage` that a notebook displays).  ``seed`` None: :func:`default_seed`."""
     if flavor not in FLAVORS:
         raise ValueError(f"flavor must be one of {', '.join(FLAVORS)}; got {flavor!r}")
+    seed = default_seed(flavor) if seed is None else seed
     cfg = CheckConfig(flavors=(flavor,), seed=seed)
     data = evaluate_flavor(flavor, cfg)
     case = data.case
@@ -177,6 +200,7 @@ def flavor_report(flavor: str, *, seed: int = 0, check: bool = True) -> str:
         body.append('<p class="note">Solid: forward, labelled with its formula; dashed red: backward, '
                     f'labelled with the local gradient.</p><div class="graph">{svg}</div>')
     body.append(_heatmaps(data))
+    body.append(_walkthrough(flavor))
     if check:
         body.append(_check_table(cfg))
     body.append('<p class="muted">Written by <code>attngrad report</code>. Self-contained: no script, '

@@ -32,8 +32,11 @@ td.pass { color: #1a7f37; font-weight: bold; } td.fail { color: #cf222e; font-we
        border-bottom: 1px solid #eaeef2; padding: 2px 0; }
 .sym .shape { color: #57606a; font-family: "DejaVu Sans Mono", monospace; font-size: .92em; }
 .figs { display: flex; flex-wrap: wrap; gap: 10px 18px; align-items: flex-start; }
-.graph { overflow-x: auto; border: 1px solid #d0d7de; padding: 6px; }
-.graph svg { height: auto; }  /* natural size: the labels stay readable; the box scrolls */
+.graph { border: 1px solid #d0d7de; padding: 6px; }
+.graph svg { max-width: 100%; height: auto; }  /* fits the page width (the graph is laid out narrow) */
+details.symbols { margin: .6em 0; } details.symbols summary { cursor: pointer; color: #0969da; }
+.walkthrough td.tag { color: #57606a; white-space: nowrap; }
+.walkthrough pre { margin: 0; padding: 2px 4px; white-space: pre; }
 code, pre { font-family: "DejaVu Sans Mono", monospace; font-size: .9em; background: #f6f8fa; }
 pre { padding: .6em; overflow-x: auto; white-space: pre-wrap; }
 """
@@ -43,9 +46,19 @@ def esc(s) -> str:
     return escape(str(s))
 
 
-def page(title: str, body: str) -> str:
+class HTMLPage(str):
+    """A complete HTML page: a ``str`` (write it, search it) that a notebook (Jupyter,
+    marimo) displays, inside an ``<iframe srcdoc>`` so that its style and its Content
+    Security Policy stay its own."""
+
+    def _repr_html_(self) -> str:
+        return (f'<iframe srcdoc="{escape(str(self), quote=True)}" style="width:100%;height:640px;'
+                'border:1px solid #d0d7de" sandbox title="attngrad report"></iframe>')
+
+
+def page(title: str, body: str) -> HTMLPage:
     """A complete HTML document: the CSP, the inline style, ``body`` (HTML)."""
-    return (
+    return HTMLPage(
         "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
         f"<meta http-equiv=\"Content-Security-Policy\" content=\"{CSP}\">\n"
         "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\n"

@@ -1,21 +1,22 @@
 """The report of a training run: ``report.html`` in the run folder.
 
 ``attngrad train`` saves, at every evaluation, the attention maps of one fixed held-out
-example (``attention/step-NNNNNNNN.npz``, plain float32 arrays, read back with
-``allow_pickle=False``; ``attention/labels.json`` names their rows and columns), and at the
-end writes the page from the folder alone: ``metrics.jsonl``, those snapshots and the
+example (:mod:`attngrad.train.snapshots`: ``attention/step-NNNNNNNN.npz``, plain float32
+arrays, read back with ``allow_pickle=False``; ``attention/labels.json`` names their rows
+and columns), and at the end writes this page from the folder alone: ``metrics.jsonl``, those snapshots and the
 configuration stored in the newest checkpoint.  ``attngrad report --run DIR`` rewrites it.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 
 import numpy as np
 
+from ..train.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
+from ..train.snapshots import save_attention_snapshot
 from .html import esc, page, write_atomic
 from .svg import heatmap, line_chart
 
@@ -25,26 +26,7 @@ TITLES = {
     "decoder_causal": "decoder causal self-attention",
     "cross": "cross-attention (decoder queries, encoder keys)",
 }
-
-
-def save_attention_snapshot(maps: dict, labels: dict, out, step: int) -> Path:
-    """Save attention maps at ``step``: ``maps`` {flavor: [per layer (B, H, Lq, Lk)]} and
-    ``labels`` {flavor: (query tokens, key tokens)}, as the training loop's attention_for
-    gives them; each map is kept as (H, Lq, Lk) of the first sequence."""
-    d = Path(out) / "attention"
-    d.mkdir(parents=True, exist_ok=True)
-    arrays = {}
-    for name, per_layer in maps.items():
-        q, k = labels[name]
-        for layer, p in enumerate(per_layer):
-            arrays[f"{name}.{layer}"] = np.asarray(p[0], dtype=np.float32)[:, : len(q), : len(k)]  # (H, Lq, Lk)
-    path = d / f"step-{step:08d}.npz"
-    tmp = d / f".step-{step:08d}.npz.tmp"
-    with open(tmp, "wb") as f:
-        np.savez(f, **arrays)
-    os.replace(tmp, path)
-    write_atomic(d / "labels.json", json.dumps({n: [list(q), list(k)] for n, (q, k) in labels.items()}))
-    return path
+__all__ = ["load_snapshots", "run_report", "save_attention_snapshot", "write_run_report"]
 
 
 def load_snapshots(out) -> list:
@@ -64,8 +46,6 @@ def load_snapshots(out) -> list:
 
 
 def _config(out) -> dict:
-    from ..train.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
-
     for path in reversed(list_checkpoints(out)):
         try:
             return load_checkpoint(path)[1]["config"]
@@ -80,10 +60,57 @@ def _smooth(y: np.ndarray) -> tuple[np.ndarray, int]:
 
 
 def _chart(series, **kw) -> str:
-    return line_chart(series, width=560, height=320, **kw)
+    return line_chart(series, width=560, height=320, legend="below", **kw)
 
 
-def _curves(metrics: list, text: bool) -> str:
+# Options shown only for the models they configure (the others ignore them)
+MODEL_ONLY = {
+    "activation": ("encdec", "decoder"),
+    "dropout": ("encdec", "decoder", "gpt2"),
+    "kv_heads": ("llama",),
+    "tie_embeddings": ("llama",),
+    "qk_norm": ("llama",),
+}
+TASK_ONLY = ("task", "symbols", "min_len", "max_len")
+DATA_ONLY = ("data", "context", "val_fraction", "tokenizer", "vocab_size")
+
+
+def shown_options(cfg: dict) -> dict:
+    """The stored options that configure the model trained: a llama run lists no
+    activation, a toy task no --data options, a byte run no vocab_size."""
+    out = {}
+    for k, v in cfg.items():
+        if k in (TASK_ONLY if cfg.get("data") else DATA_ONLY):
+            continue
+        if k in MODEL_ONLY and cfg.get("model") not in MODEL_ONLY[k]:
+            continue
+        if k == "vocab_size" and cfg.get("tokenizer", "bytes") == "bytes":
+            continue
+        if (k == "grad_accum" and v == 1) or v is None:  # an option left off
+            continue
+        out[k] = v
+    return out
+
+
+def _throughput(metrics: list):
+    """(steps, seconds, tokens per second) of the training records, or None."""
+    rec = [r for r in metrics if "loss" in r and "time" in r]
+    if not rec or rec[-1]["time"] <= 0:
+        return None
+    tokens = sum(r.get("tokens", 0) for r in rec)
+    return rec[-1]["step"], rec[-1]["time"], tokens / rec[-1]["time"]
+
+
+def _samples(out) -> list:
+    p = Path(out) / "samples.json"
+    try:
+        got = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    return [g for g in got if isinstance(g, dict) and "prompt" in g and "continuation" in g] if isinstance(got, list) else []
+
+
+def _curves(metrics: list, text: bool, unit: str = "byte") -> str:
     steps = np.array([r["step"] for r in metrics if "loss" in r], dtype=np.float64)
     loss = np.array([r["loss"] for r in metrics if "loss" in r], dtype=np.float64)
     series = [{"label": "training loss (per step)", "x": steps, "y": loss, "color": "#9ecae1", "width": 0.8}]
@@ -100,12 +127,12 @@ def _curves(metrics: list, text: bool) -> str:
             u = ev[-1]["val_unigram_loss"]
             series.append({"label": f"unigram baseline ({u:.3f})", "x": [steps.min(), steps.max()],
                            "y": [u, u], "color": "#d62728", "dash": True})
-        figs.append(_chart(series, title="Loss", xlabel="step", ylabel="cross-entropy (nats per byte)",
+        figs.append(_chart(series, title="Loss", xlabel="step", ylabel=f"cross-entropy (nats per {unit})",
                                logy=True))
         figs.append(_chart([{"label": "validation perplexity", "x": vs, "y": [r["val_ppl"] for r in ev],
                                  "color": "#ff7f0e", "marker": True}],
                                title="Validation perplexity", xlabel="step", ylabel="perplexity exp(loss)",
-                               logy=True))
+                               logy=bool(vs) and max(r["val_ppl"] for r in ev) > 10 * min(r["val_ppl"] for r in ev)))
     else:
         figs.append(_chart(series, title="Training loss", xlabel="step", ylabel="cross-entropy", logy=True))
         ev = [r for r in metrics if "eval_exact" in r]
@@ -163,23 +190,35 @@ def run_report(out) -> str:
     text = cfg.get("data") is not None or any("val_loss" in r for r in metrics)
     last = [r for r in metrics if ("val_loss" in r or "eval_exact" in r)]
     body = [f"<h1>attngrad train: {esc(out.name)}</h1>"]
+    bpe = cfg.get("tokenizer", "bytes") == "bpe"
+    unit = "token" if bpe else "byte"
     if cfg:
-        what = f"the bytes of {cfg['data']}" if cfg.get("data") else f"the {cfg.get('task')} task"
+        what = (f"the {'BPE tokens' if bpe else 'bytes'} of {cfg['data']}" if cfg.get("data")
+                else f"the {cfg.get('task')} task")
         body.append(f"<p>{esc(cfg.get('model'))} model trained on {esc(what)} with closed-form gradients only.</p>")
-        skip = ("task", "symbols", "min_len", "max_len") if cfg.get("data") else ("data", "context", "val_fraction")
+    speed = _throughput(metrics)
+    if speed:
+        steps, secs, tps = speed
+        body.append(f"<p><b>Throughput</b>: {steps} steps in {secs:.1f} s of training, "
+                    f"{tps:,.0f} tokens/s.</p>")
+    if cfg:
         body.append('<p class="note">Options: ' + ", ".join(
-            f"<code>{esc(k)}={esc(v)}</code>" for k, v in cfg.items() if k not in skip) + "</p>")
+            f"<code>{esc(k)}={esc(v)}</code>" for k, v in shown_options(cfg).items()) + "</p>")
     if last:
         ev = last[-1]
         if text:
-            body.append(f"<p><b>Step {ev['step']}</b>: validation loss {ev['val_loss']:.4f} nats per byte "
-                        f"({ev.get('val_bpb', ev['val_loss'] / np.log(2)):.3f} bits), perplexity {ev['val_ppl']:.2f}"
+            body.append(f"<p><b>Step {ev['step']}</b>: validation loss {ev['val_loss']:.4f} nats per {unit} "
+                        f"({ev.get('val_bpb', ev['val_loss'] / np.log(2)):.3f} bits per byte), perplexity {ev['val_ppl']:.2f}"
                         + (f"; the unigram baseline is {ev['val_unigram_loss']:.4f}" if "val_unigram_loss" in ev else "")
                         + ".</p>")
         else:
             body.append(f"<p><b>Step {ev['step']}</b>: held-out exact match {ev['eval_exact']:.2%}, "
                         f"token accuracy {ev['eval_token_acc']:.2%}.</p>")
-    body.append("<h2>Curves</h2>" + _curves(metrics, text))
+    for smp in _samples(out)[:1]:
+        body.append("<p><b>Greedy sample</b> (the end of training; the prompt in grey):</p>"
+                    f'<pre class="sample"><span class="muted">{esc(smp["prompt"])}</span>'
+                    f'{esc(smp["continuation"])}</pre>')
+    body.append("<h2>Curves</h2>" + _curves(metrics, text, unit))
     snaps = load_snapshots(out)
     if snaps:
         body.append(_attention(out, snaps))

@@ -65,6 +65,8 @@ def colorize(a: np.ndarray, kind: str, vmin: float, vmax: float) -> np.ndarray:
 def fmt(v: float) -> str:
     if v == 0:
         return "0"
+    if v == int(v) and abs(v) < 1e7:  # a step count: 1250, not 1.25e+03
+        return str(int(v))
     return f"{v:.3g}" if 1e-3 <= abs(v) < 1e4 else f"{v:.1e}"
 
 
@@ -140,11 +142,15 @@ def nice_ticks(lo: float, hi: float, n: int = 5) -> list:
 
 
 def line_chart(series: list, *, title: str, xlabel: str, ylabel: str, logy: bool = False,
-               width: int = 600, height: int = 320) -> str:
+               width: int = 600, height: int = 320, legend: str = "inside") -> str:
     """An SVG line chart.  ``series``: dicts with ``label``, ``x``, ``y``, ``color`` and
-    optionally ``dash`` (bool), ``marker`` (bool), ``width`` (line width)."""
+    optionally ``dash`` (bool), ``marker`` (bool), ``width`` (line width).  ``legend``:
+    "inside" (top right of the plot) or "below" (under the axis label: it covers nothing)."""
     series = [s for s in series if len(s["x"])]
-    left, right, top, bottom = 64, 16, 30, 46
+    below = legend == "below" and bool(series)
+    if below:
+        height += 15 * len(series) + 6
+    left, right, top, bottom = 64, 24, 30, 46 + (15 * len(series) + 6 if below else 0)
     pw, ph = width - left - right, height - top - bottom
     xs = np.concatenate([np.asarray(s["x"], dtype=np.float64) for s in series]) if series else np.zeros(1)
     ys = np.concatenate([np.asarray(s["y"], dtype=np.float64) for s in series]) if series else np.ones(1)
@@ -180,6 +186,8 @@ def line_chart(series: list, *, title: str, xlabel: str, ylabel: str, logy: bool
         if len(yticks) < 3:
             yticks = [m * 10.0**k for k in range(math.floor(y0), math.ceil(y1) + 1) for m in (1, 2, 5)
                       if y0 <= math.log10(m * 10.0**k) <= y1]
+        if len(yticks) < 3:  # less than a decade: round values spread over the range
+            yticks = [t for t in nice_ticks(10.0**y0, 10.0**y1, 4) if t > 0 and y0 <= math.log10(t) <= y1]
     else:
         yticks = nice_ticks(y0, y1, 5)
     for t in yticks:
@@ -194,16 +202,17 @@ def line_chart(series: list, *, title: str, xlabel: str, ylabel: str, logy: bool
                    + " ".join(f"{x:.1f},{y:.1f}" for x, y in pts) + '"/>')
         if s.get("marker"):
             out += [f'<circle cx="{x:.1f}" cy="{y:.1f}" r="2.6" fill="{s["color"]}"/>' for x, y in pts]
-    if series:
-        out.append(f'<rect x="{left + pw - 196}" y="{top + 3}" width="192" height="{15 * len(series) + 5}" '
+    lx, ly = (left, top + ph + 44) if below else (left + pw - 196, top + 3)
+    if series and not below:
+        out.append(f'<rect x="{lx}" y="{ly}" width="192" height="{15 * len(series) + 5}" '
                    'fill="#fff" fill-opacity="0.9" stroke="#ccc"/>')
-    for k, s in enumerate(series):  # legend, top right
-        y = top + 12 + 15 * k
+    for k, s in enumerate(series):  # legend, top right (or below the axis label)
+        y = ly + 9 + 15 * k
         dash = ' stroke-dasharray="5 3"' if s.get("dash") else ""
-        out.append(f'<line x1="{left + pw - 190}" x2="{left + pw - 166}" y1="{y - 4}" y2="{y - 4}" '
+        out.append(f'<line x1="{lx + 6}" x2="{lx + 30}" y1="{y - 4}" y2="{y - 4}" '
                    f'stroke="{s["color"]}" stroke-width="2"{dash}/>')
-        out.append(_text(left + pw - 162, y, s["label"], 10, "start"))
-    out.append(_text(left + pw / 2, height - 10, xlabel, 11))
+        out.append(_text(lx + 34, y, s["label"], 10, "start"))
+    out.append(_text(left + pw / 2, top + ph + 36, xlabel, 11))
     out.append(_text(14, top + ph / 2, ylabel + (" (log scale)" if logy else ""), 11,
                      extra=f'transform="rotate(-90 14 {top + ph / 2:.1f})"'))
     out.append("</svg>")

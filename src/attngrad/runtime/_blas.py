@@ -4,8 +4,8 @@ The compiled tile loops of :mod:`._tiled_kernels` call BLAS directly from machin
 without Python between tiles.  Which BLAS (``ATTNGRAD_BLAS``, read once):
 
 - ``auto`` (the default): Intel MKL where the ``mkl`` wheel is installed (the ``mkl``
-  extra; on the machines measured in docs/performance.md its single-threaded ``sgemm``
-  runs the tile products 1.2-1.4x faster than OpenBLAS's), loaded here with its
+  extra; its single-threaded ``sgemm`` runs the tile products faster than OpenBLAS's,
+  docs/benchmarks-archive.md), loaded here with its
   sequential threading layer (the tile loops make their own threads, one product per
   thread at a time); else NumPy's own;
 - ``numpy``: the very library NumPy's ``matmul`` calls (the ``scipy_openblas64_`` of

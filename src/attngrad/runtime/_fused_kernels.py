@@ -350,46 +350,6 @@ def _sum8(a, c, b, mode):
 
 
 @_jit
-def layernorm_rows(x, g, b, eps, y, xhat, rstd):
-    """(N1)-(N4) row by row: mu, var summed in float64 over the row (two passes: no
-    cancellation; :func:`_sum8`), rstd = 1 / sqrt(var + eps) rounded to x's dtype,
-    xhat = (x - mu) rstd, y = g xhat + b.  x, y, xhat (N, E); g, b (E,); rstd (N,); all of
-    x's dtype."""
-    n, e = x.shape
-    for i in range(n):
-        row = x[i]
-        mu = _sum8(row, 0.0, row, 0) / e  # (N1)
-        r = narrow(row[0], 1.0 / math.sqrt(_sum8(row, mu, row, 1) / e + eps))  # (N2)
-        rstd[i] = r
-        mu_x = narrow(row[0], mu)
-        xr, yr = xhat[i], y[i]
-        for j in range(e):
-            h = (row[j] - mu_x) * r  # (N3)
-            xr[j] = h
-            yr[j] = g[j] * h + b[j]  # (N4)
-
-
-@_jit
-def layernorm_grad_rows(dy, xhat, rstd, g, dx, dg, db, d_row):
-    """(N5), (N6) row by row: dx = rstd (dxhat - mean(dxhat) - xhat mean(dxhat xhat)),
-    dxhat = dy g, the two means summed in float64 (:func:`_sum8`); dg += dy xhat and
-    db += dy, float64 (E,) accumulators, rows added in order.  dy, xhat, dx (N, E); g (E,);
-    rstd (N,); ``d_row`` (E,) scratch of dy's dtype."""
-    n, e = dy.shape
-    for i in range(n):
-        dr, hr, out = dy[i], xhat[i], dx[i]
-        for j in range(e):
-            d_row[j] = dr[j] * g[j]  # dxhat, in the row's dtype
-            dg[j] += np.float64(dr[j]) * np.float64(hr[j])  # (N5)
-            db[j] += np.float64(dr[j])
-        m1 = narrow(dr[0], _sum8(d_row, 0.0, d_row, 0) / e)
-        m2 = narrow(dr[0], _sum8(d_row, 0.0, hr, 2) / e)
-        r = rstd[i]
-        for j in range(e):
-            out[j] = r * (d_row[j] - m1 - hr[j] * m2)  # (N6)
-
-
-@_jit
 def row_dots(a, b, out):
     """(A6) out_i <- sum_j a_ij b_ij in float64 (each product exact there: float32 values
     have 24-bit significands), over 8 partials in a fixed order; a, b (n, m) float32 or
@@ -416,9 +376,9 @@ def softmax_rows(s, r0, r1):
         row = s[i]
         mx = _rowmax(row, row[0])  # rows of length >= 1
         zero = narrow(mx, 0.0)
-        sh = mx if abs(mx) < np.inf else zero
+        sh = zero if mx == -np.inf else mx  # +inf or NaN: the row is NaN, as in PyTorch
         z = exp_shift_sum(row, sh, zero)
-        if not z > zero:
+        if z == zero:  # nothing allowed (a NaN sum stays: the row is NaN)
             z = narrow(z, 1.0)
         for j in range(row.shape[0]):
             row[j] = row[j] / z
@@ -434,7 +394,7 @@ def dsoftmax_rows(dp, p, delta, r0, r1):
     for i in range(r0, r1):
         row, prow = dp[i], p[i]
         # delta as _sum8's mode 2 forms it but with the tail added after the tree; kept
-        # inline: the call cost ~0.3 ms per training step at L = 17 (issue 13)
+        # inline: a call per row costs more than the row's work at short rows
         t0 = t1 = t2 = t3 = t4 = t5 = t6 = t7 = 0.0
         for j in range(0, n8, 8):
             t0 += np.float64(prow[j]) * np.float64(row[j])

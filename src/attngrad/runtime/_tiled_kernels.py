@@ -33,6 +33,8 @@ from ._fused_kernels import _jit, dsoftmax_row, exp_row, narrow, online_row
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112  # CBLAS enums
 
 
+
+# _cblas_call and _gemm_call take CBLAS gemm's own argument list (it is the C ABI they emit).
 @intrinsic
 def _cblas_call(typingctx, fn, order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
     """Call the CBLAS gemm at address ``fn`` (an integer) with ``a``, ``b``, ``c`` data
@@ -108,8 +110,8 @@ def _tile_span(lo, hi, q0, q1, k0, k1):
 
 # No fast-math here: the logits are rounded step by step as the NumPy tile loop and plain
 # PyTorch round them (scale Q K^T, then the soft-cap, then minus the rounded ALiBi term).
-# With ALiBi's subtraction fused into one rounding, dL/dslopes (a sum of dS |pos - j| over
-# distances of ~100) failed the float32 2x rule by 3x in 2 of 90 random cases.
+# Fusing ALiBi's subtraction into one rounding breaks the float32 2x rule for dL/dslopes
+# (a sum of dS |pos - j| over distances of ~100).
 @numba.njit(nogil=True, cache=True)
 def _logits_row(row, gi, c0, softcap, t_row, alibi, slope, offset):
     """(V1, V4) on one row of scale Q K^T in place: S1 = c tanh(S0 / c) (t = tanh kept in
@@ -139,10 +141,15 @@ def _mask_row(row, a, z, fill):
         row[j] = fill
 
 
+# The heads' kernels take their records' fields as positional arguments (the callers splat
+# the :mod:`.fused` records): numba types a named-tuple argument in Python on every call.
 @_jit
-def fwd_head(blas, q, k, v, keep, lse, res, scale, bq, bk, lo, hi, softcap, alibi, slope, offset,
-             has_sink, sink, s_buf, pv_buf, acc, m, l, rescale):
-    """Forward of one query head (FA1, FA3; A1-A3, V1, V2, V4), tile by tile.
+def fwd_head(blas, q, k, v, keep, lse, res, s_buf, pv_buf, acc, m, l, rescale,  # FwdArrays
+             scale, bq, bk, lo, hi,  # Rule
+             softcap, alibi, slope, offset, has_sink, sink):  # Variant
+    """Forward of one query head (FA1, FA3; A1-A3, V1, V2, V4), tile by tile.  The
+    arguments are the fields of :class:`.fused.FwdArrays`, :class:`.fused.Rule` and
+    :class:`.fused.Variant`.  Returns whether O is finite everywhere.
 
     q (Lq, D), k (Lk, D), v (Lk, Dv) in the compute dtype; ``keep`` and ``res`` (Lq, Dv) in
     the compute dtype (any contents on entry; both written: O rounded to it, the cache's
@@ -150,10 +157,11 @@ def fwd_head(blas, q, k, v, keep, lse, res, scale, bq, bk, lo, hi, softcap, alib
     for a row with nothing to attend and no sink); lo, hi (Lq,) int64: row i attends keys
     lo[i]..hi[i].  Scratch: s_buf (bq*bk,), pv_buf (bq*Dv,) compute dtype; ``acc`` (bq, Dv)
     like lse, one query tile's O while its key tiles are summed (O(bq) memory: a full-size
-    float64 O would double the bytes the forward writes, issue 13); m, l, rescale (bq,)."""
+    float64 O would double the bytes the forward writes); m, l, rescale (bq,)."""
     Lq, Lk, Dv = q.shape[0], k.shape[0], v.shape[1]
     neg = narrow(m[0], -np.inf)
     zero = narrow(m[0], 0.0)
+    finite = True  # O finite everywhere
     for q0 in range(0, Lq, bq):
         q1 = min(q0 + bq, Lq)
         for i in range(q1 - q0):  # (FA3) start: (sink, 1) with sinks, else (-inf, 0); O = 0
@@ -187,36 +195,44 @@ def fwd_head(blas, q, k, v, keep, lse, res, scale, bq, bk, lo, hi, softcap, alib
                     acc[ii, d] = acc[ii, d] * a + pv[i, d]
         for i in range(q1 - q0):
             gi = q0 + i
-            if l[i] > zero:
+            if not l[i] <= zero:  # rows that attend something, and NaN ones (O = NaN)
                 inv = l[i]
                 for d in range(Dv):
                     o = narrow(res[gi, d], acc[i, d] / inv)  # (A3) O = acc / l, rounded once
                     keep[gi, d] = o
                     res[gi, d] = o
+                    finite &= abs(o) < np.inf  # (an OR reduction: no float add chain)
                 lse[gi] = m[i] + math.log(np.float64(l[i]))  # (FA1)
             else:
                 for d in range(Dv):
                     keep[gi, d] = 0.0
                     res[gi, d] = 0.0
                 lse[gi] = -np.inf
+    return finite
 
 
 @_jit
-def bwd_head(blas, q, k, v, do, lse, delta, dq, dk, dv, scale, bq, bk, lo, hi, softcap,
-             alibi, slope, offset, shift_free, flat, kb, lk_full, zero_kv, s_buf, dp_buf, t_buf):
+def bwd_head(blas, q, k, v, do, lse, delta, dq, dk, dv, flat,  # BwdArrays
+             scale, bq, bk, lo, hi,  # Rule
+             softcap, alibi, slope, offset, has_sink, sink,  # Variant
+             kb, lk_full, zero_kv, s_buf, dp_buf, t_buf):  # KeySpan
     """Backward of one query head (FA2, A4-A9, V1, V4, V7): P recomputed from the lse tile
-    by tile.  dv, dk (Lk, Dv | D) of its key/value head are accumulated (dK scaled as it is
+    by tile.  The arguments are the fields of :class:`.fused.BwdArrays`, :class:`.fused.Rule`,
+    :class:`.fused.Variant` and :class:`.fused.KeySpan`.  dv, dk (Lk, Dv | D) of its key/value head are accumulated (dK scaled as it is
     added, A9), each key tile's rows first set to 0 where ``zero_kv`` (the group's first
     query head: the rows are then in cache for the products that follow, where a separate
-    zeroing pass over dK, dV and dQ cost 0.85 ms of a 20.7 ms backward, issue 13); dq (Lq,
+    zeroing pass over dK, dV and dQ would cost a second trip through memory); dq (Lq,
     D), any contents on entry, is written, scaled (A8).  ``delta`` (Lq,) float64 (A6).  ``flat`` (Lq,) bool, or empty
     for none: rows whose softmax is constant (fewer than two keys in the whole row, which a
     caller such as ring attention may know better than this block's intervals) get dS = 0
-    (A7).  ``shift_free``: no sinks (V8).  Returns (dL/dslope (V4), sum(Q * dS0 K) (V7)), float64.
+    (A7).  ``shift_free``: no sinks (V8).  Returns (dL/dslope (V4), sum(Q * dS0 K) (V7),
+    0.0 or NaN: NaN where delta is not finite in a row that attends a key), float64; dscale
+    is not finite where Q or dQ is not, in such a row.
     ``k``, ``v`` (and dk, dv) may be the keys kb .. kb + len(k) - 1 of a row of ``lk_full``
     keys (a caller splitting the keys across workers: then dq is that span's share); lo, hi
     and the ALiBi positions count all of the row's keys.
     Scratch: s_buf, dp_buf (and t_buf with a soft-cap) (bq*bk,)."""
+    shift_free = not has_sink
     Lq, Lk = q.shape[0], k.shape[0]
     D, Dv = q.shape[1], v.shape[1]
     dslope = 0.0
@@ -278,12 +294,18 @@ def bwd_head(blas, q, k, v, do, lse, delta, dq, dk, dv, scale, bq, bk, lo, hi, s
                         row[j] = row[j] * (narrow(row[j], 1.0) - trow[j] * trow[j])
             gemm(blas, ds, True, q[r0:r1], False, dk[c0:c1], scale, 1.0)  # (A9) dK += scale dS0^T Q
             gemm(blas, ds, False, k[c0:c1], False, dq[r0:r1], 1.0, 1.0)  # (A8) dQ += dS0 K
-    dscale = 0.0  # (V7) sum(Q * dS0 K), float64 in 8 partials (a fixed order)
-    part = np.zeros(8)
+    dscale = 0.0  # (V7) sum(Q * dS0 K) over the rows that attend a key (the others' dQ is
+    part = np.zeros(8)  # 0 and their Q may hold anything: RELIABILITY 4), float64 in 8 partials
+    finite = True  # delta finite in the rows that attend a key
     for i in range(Lq):
+        if lo[i] > hi[i]:
+            for d in range(D):
+                dq[i, d] = dq[i, d] * scale  # (A8)
+            continue
+        finite &= abs(delta[i]) < np.inf
         for d in range(D):
             part[d % 8] += np.float64(q[i, d]) * np.float64(dq[i, d])
             dq[i, d] = dq[i, d] * scale  # (A8)
     for t in range(8):
         dscale += part[t]
-    return dslope, dscale
+    return dslope, dscale, 0.0 if finite else np.nan

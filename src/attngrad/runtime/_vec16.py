@@ -13,7 +13,7 @@ is new (sixteen lane partials, then a fixed tree), which no longer depends on th
 width of the machine.
 
 numba's on-disk cache keys each compiled function on its own module's source file: after
-editing this file, delete the ``*.nbi`` / ``*.nbc`` files of ``core/__pycache__`` (an
+editing this file, delete the ``*.nbi`` / ``*.nbc`` files of ``runtime/__pycache__`` (an
 installed release replaces every file, so users never meet a stale entry).
 """
 

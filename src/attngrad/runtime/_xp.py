@@ -56,8 +56,8 @@ def dtype_name(dtype) -> str:
 def frozen_record(cls, **fields):
     """An instance of the frozen dataclass ``cls`` with ``fields`` (the others at their
     defaults): the object its ``__init__`` builds, filled by one dict update instead of one
-    ``object.__setattr__`` per field (1.6 against 0.9 us for ten fields, warm; the
-    validated records are built on every call).  Still frozen: assignment raises."""
+    ``object.__setattr__`` per field (about half the time; the validated records are built
+    on every call).  Still frozen: assignment raises."""
     record = object.__new__(cls)
     record.__dict__.update(fields)
     return record

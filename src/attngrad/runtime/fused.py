@@ -22,7 +22,7 @@ The float32 exponential (:func:`exp32`) is Cephes' expf, written so that LLVM ve
 it: Cody-Waite range reduction x = n ln2 + r with n = round(x / ln2) read off the low bits
 of x / ln2 + 1.5 * 2^23 (one FMA; no floor call, no float-to-int conversion), a degree-7
 polynomial for e^r, and 2^n assembled in the exponent bits as int32.  No clamps: two
-selects replace what out-of-range lanes compute (17 % faster than clamping first).
+selects replace what out-of-range lanes compute (faster than clamping first).
 Accuracy: under 1 ulp on [-87, 88] (NumPy's float32 exp: 2.4 ulp), so the float32 2x rule
 (RELIABILITY 24) holds with a margin.  Results below 2^-126 (x < -87.34) are flushed to
 0, where NumPy's exp gives subnormals; x > 88.37 gives inf (float32 overflows at 88.72;
@@ -43,6 +43,7 @@ environment variable ``ATTNGRAD_NO_NUMBA`` unset, empty or "0".  The first call 
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import numpy as np
 
@@ -57,10 +58,10 @@ def numba_available() -> bool:
     return _kernels() is not None
 
 
-# os.environ.get of an unset name raises and catches KeyError twice: ~1.8 us, against
-# ~0.1 us for a lookup in the dict that CPython's os.environ wraps and keeps in step with
+# os.environ.get of an unset name raises and catches KeyError twice, far slower than a
+# lookup in the dict that CPython's os.environ wraps and keeps in step with
 # every change made through it (setenv, monkeypatch, mock.patch.dict).  enabled() runs on
-# every call, which at the Jacobian tools' sizes costs ~100 us in all.
+# every call, many times per call of the Jacobian tools.
 try:
     _ENV_DATA, _ENV_KEY = os.environ._data, os.environ.encodekey(ENV_DISABLE)
 except AttributeError:  # pragma: no cover - another Python's os.environ
@@ -107,10 +108,76 @@ def _kernels():
                 "dsoftmax_rows": k.dsoftmax_rows,
                 "column_sums": k.column_sums,
                 "row_dots": k.row_dots,
-                "layernorm_rows": k.layernorm_rows,
-                "layernorm_grad_rows": k.layernorm_grad_rows,
             }
     return _KERNELS or None
+
+
+# The compiled tile loops (:mod:`._tiled_kernels`) take their arguments as these records:
+# numba passes named tuples of arrays and scalars field by field, without a copy.
+
+
+class Rule(NamedTuple):
+    """The tiling and the mask rule of one head: row i attends keys lo[i]..hi[i]."""
+
+    scale: float  # (A1) passed to BLAS as alpha
+    block_q: int
+    block_k: int
+    lo: np.ndarray  # (Lq,) int64
+    hi: np.ndarray  # (Lq,) int64
+
+
+class Variant(NamedTuple):
+    """One query head's variant constants."""
+
+    softcap: float  # (V1) c, 0.0 for none
+    alibi: bool  # (V4)
+    slope: float  # (V4) the head's slope, 0.0 without ALiBi
+    offset: int  # (V4) pos(i) = i + offset
+    has_sink: bool  # (V2); without one the softmax is shift-free (V8)
+    sink: float  # (V2) the sink logit, 0.0 for none
+
+
+class FwdArrays(NamedTuple):
+    """The forward's inputs, results and scratch for one head (see :func:`fwd_head`)."""
+
+    q: np.ndarray  # (Lq, D)
+    k: np.ndarray  # (Lk, D)
+    v: np.ndarray  # (Lk, Dv)
+    keep: np.ndarray  # (Lq, Dv) O for the cache
+    lse: np.ndarray  # (Lq,)
+    res: np.ndarray  # (Lq, Dv) O for the caller
+    s_buf: np.ndarray  # (bq*bk,)
+    pv_buf: np.ndarray  # (bq*Dv,)
+    acc: np.ndarray  # (bq, Dv)
+    m: np.ndarray  # (bq,)
+    l: np.ndarray  # (bq,)
+    rescale: np.ndarray  # (bq,)
+
+
+class BwdArrays(NamedTuple):
+    """The backward's inputs and results for one head (see :func:`bwd_head`)."""
+
+    q: np.ndarray  # (Lq, D)
+    k: np.ndarray  # (Lk, D) the span's keys
+    v: np.ndarray  # (Lk, Dv)
+    do: np.ndarray  # (Lq, Dv)
+    lse: np.ndarray  # (Lq,)
+    delta: np.ndarray  # (Lq,) float64 (A6)
+    dq: np.ndarray  # (Lq, D)
+    dk: np.ndarray  # (Lk, D)
+    dv: np.ndarray  # (Lk, Dv)
+    flat: np.ndarray  # (Lq,) bool, or empty for none
+
+
+class KeySpan(NamedTuple):
+    """Which keys of the row a backward call has, and its scratch."""
+
+    kb: int  # the first key
+    lk_full: int  # the row's keys
+    zero_kv: bool  # zero dK, dV of the span first
+    s_buf: np.ndarray  # (bq*bk,)
+    dp_buf: np.ndarray  # (bq*bk,)
+    t_buf: np.ndarray  # (bq*bk,) with a soft-cap, else empty
 
 
 _LOOPS = None  # (fwd_head, bwd_head, blas) of :mod:`._tiled_kernels`, False when unavailable

@@ -98,11 +98,9 @@ def weight_grad(xp, x: Array, dy: Array, *, pool: bool = False) -> Array:
     """X^T dY for X (..., in), dY (..., out), summed over every leading axis: (in, out)
     (``pool`` as :func:`matmul`).
 
-    One 2-D GEMM over all rows, the transpose passed to BLAS as a flag (no copy).  A
-    float32 variant that summed partial products over blocks of 128 rows was dropped
-    (issue 13): single-threaded CPU time, OpenBLAS, this machine, it was 1.2x-1.8x slower
-    than the one GEMM at every size measured ((1024, 512, 512): 9.7 vs 7.8 ms; (1088, 64,
-    128): 0.51 vs 0.29 ms; (4096, 512, 512): 39 vs 29 ms), docs/performance.md.
+    One 2-D GEMM over all rows, the transpose passed to BLAS as a flag (no copy): faster
+    than summing partial products over blocks of rows at every size tried
+    (docs/benchmarks-archive.md).
     """
     return matmuls(xp, [weight_grad_product(xp, x, dy)], pool=pool)[0]  # (F2) (in, out)
 

@@ -66,8 +66,8 @@ def _blas_libs() -> list:
 def blas_threads(n: int):
     """Limit BLAS to ``n`` threads inside the block (no-op without threadpoolctl): each
     library the controller found is set to ``n`` threads where it has another count, and
-    set back after.  Its libraries are asked directly, not through ``limit`` (which
-    selects them anew each time: 0.15 ms per call after an idle spell, issue 13)."""
+    set back after.  Its libraries are asked directly, not through ``limit``, which
+    selects them anew on every call: a fixed cost paid by every attention call."""
     libs = _blas_libs()
     with _LOCK:  # the thread counts are process-wide state
         before = [lib.get_num_threads() for lib in libs]
@@ -88,16 +88,15 @@ def run_units(work: Callable[[int, int], None], n_units: int, threads: int, *, b
     With ``threads`` > 1 and at least two units, ``min(threads, n_units)`` workers take
     units in order from a shared counter, BLAS single-threaded in each: the calling thread
     is worker 0 and the others run on a persistent pool (:func:`_unit_pool`), so a call
-    neither starts threads nor waits for one to start before work begins (issue 13: fresh
-    threads started up to 10 ms late; the median start of the last worker went from 0.6
-    to 0.3 ms).  For the length of the call the caller stays on the CPU it is on and the
+    neither starts threads nor waits for one to start before work begins (a fresh thread
+    can start milliseconds late, leaving its share of the work to wait).  For the length of the call the caller stays on the CPU it is on and the
     pool's threads run on the others (:func:`_placement`).  Otherwise one thread runs them
     all and BLAS may use ``threads`` threads (large single GEMMs).  ``worker`` (0 <= worker
     < returned count) lets each worker own its scratch buffers; a worker the pool never
     got to runs no unit, so which worker ran a unit never changes a result.
     ``blas=False``: the units make no call into NumPy's BLAS (the compiled loops on MKL's
     sequential layer, :func:`attngrad.runtime.fused.private_blas`), so its thread count is
-    left alone (setting and restoring it costs ~0.15 ms after an idle spell, issue 13).
+    left alone (setting and restoring it is a fixed cost worth skipping).
     """
     workers = min(threads, n_units) if _controller() is not None else 1
     if workers <= 1:
@@ -155,12 +154,11 @@ def wake_units(threads: int, n_units: int) -> None:
     ``threads`` threads will use, so that they are up when their work is handed out: call
     it ahead of that call's preparation (no-op tasks; nothing else changes).
 
-    Why: a pool thread idle for a while takes ~0.15 ms to wake on this project's VM
-    (median, 0.24 worst), and once woken it waits for the GIL, which the caller hands over
-    in ~25 us when it enters a compiled loop.  Woken at the hand-out itself, the other
-    worker of the tiled forward (B=1 H=8 N=1024, 2 cores, after an idle spell) started its
-    first unit 0.35 ms after the hand-out, 0.19 ms after the caller had started its own
-    (issue 13)."""
+    Why: a pool thread idle for a while takes a fraction of a millisecond to wake, and
+    once woken it waits for the GIL, which the caller hands over when it enters a compiled
+    loop.  Woken only at the hand-out itself, the other workers start their first unit
+    well after the caller has started its own; woken during the preparation, they are
+    ready when the work is handed out."""
     workers = min(threads, n_units) if _controller() is not None else 1
     if workers <= 1:
         return
@@ -180,9 +178,8 @@ def _placement(workers: int, pool: ThreadPoolExecutor):
 
     Why: a pool thread woken by the caller is often queued on the caller's CPU, which keeps
     running, and the two share that core for a scheduler tick or more while another core
-    idles (issue 13, docs/performance.md: units of 1.1 ms took 4-6 ms of wall clock on 1.2
-    ms of CPU time; the tiled forward at B=1 H=8 N=1024 on 2 cores, 0.15 s idle before each
-    call: median 15.9 -> 10.5 ms, worst 19.0 -> 15.0).  The pool's threads are moved before
+    idles: short units then take several times their CPU time in wall clock (the effect on
+    the tiled path is in docs/benchmarks-archive.md, "Worker placement").  The pool's threads are moved before
     they are woken, so that they wake where they are to run."""
     if not hasattr(os, "sched_setaffinity") or _env(ENV_NO_PIN) not in ("", "0"):
         return None, None
@@ -264,7 +261,8 @@ _POOL = None
 def shared_pool() -> ThreadPoolExecutor:
     """One process-wide pool of ``available_cores()`` threads for elementwise work split
     into chunks (exp, fused softmax rows): started once, not per call (a fresh pool costs
-    ~0.1 ms per thread, which small attention calls in a training step paid every time).
+    a thread start per thread, which the many small attention calls of a training step
+    would pay every time).
     Only for leaf work that submits nothing to the pool itself."""
     global _POOL
     with _LOCK:

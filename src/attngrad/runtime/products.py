@@ -4,8 +4,7 @@ gradients), so that no BLAS thread pool of its own is left spinning beside those
 NumPy's BLAS (OpenBLAS in NumPy's wheels) runs a threaded product on a pool whose
 threads spin for ~0.1 s after it, yielding the core only now and then; the tiled
 attention that follows a projection runs its own workers on those cores, and loses
-(issue 13, docs/performance.md: fwd + bwd at B=4 H=8 N=256, 2 cores: 12.9 ms after idle,
-19.8 ms right after one (1024, 512) x (512, 512) NumPy product).  :func:`matmul` instead
+them to the spinning threads (docs/benchmarks.md).  :func:`matmul` instead
 splits C into blocks of CHUNK_ROWS rows, run by :func:`.parallel.run_units` as
 single-threaded products of the compiled loops' CBLAS (:mod:`._blas`: MKL with the
 ``mkl`` extra, else NumPy's own).  The blocks depend on the shapes alone, never on the
@@ -26,7 +25,7 @@ from . import fused
 from .parallel import available_cores, run_units
 
 CHUNK_ROWS = 256  # rows of C per unit: (1024, 512) x (512, 512) in 4 units
-MIN_FLOPS = 1 << 26  # 2 M K N below this: NumPy (a one-thread product of ~0.4 ms or less)
+MIN_FLOPS = 1 << 26  # 2 M K N below this: NumPy (too small to be worth handing out)
 _DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
@@ -117,7 +116,7 @@ def matmuls(jobs) -> list:
     """Every :class:`Product` of ``jobs``, as :func:`matmul` forms it (the same blocks, the
     same bits), in one :func:`.parallel.run_units` call where :func:`pooled` takes them all:
     their blocks handed out together, so that the workers are woken and waited for once, not
-    once per product (three (512, 1024) x (1024, 512) products: 4.9 vs 5.4 ms, issue 13).
+    once per product.
     Otherwise each alone.  A product with ``add`` that follows the product forming its
     ``out`` runs after it on each block of rows (a sum of products in one hand-out: the
     layer's dX = dQ W_q^T + dK W_k^T + dV W_v^T without concatenating the weights).
@@ -147,7 +146,7 @@ def matmuls(jobs) -> list:
     return cs
 
 
-SERIAL_MAX_FLOPS = 1 << 25  # 2 M K N below this: one thread (~0.17 ms here), where a threaded BLAS gains little
+SERIAL_MAX_FLOPS = 1 << 25  # 2 M K N below this: one thread, where a threaded BLAS gains little
 
 
 def serial(a, b, *, trans_a: bool = False, trans_b: bool = False):
@@ -155,9 +154,8 @@ def serial(a, b, *, trans_a: bool = False, trans_b: bool = False):
     sequential layer, :func:`.fused.private_blas`), for NumPy float32/float64 products of
     fewer than SERIAL_MAX_FLOPS, or None where that does not apply (no private BLAS, other
     operands, larger products: the caller uses NumPy).  The choice depends on the operands
-    alone, never on a thread count.  Single-threaded at the training step's sizes, MKL took
-    0.75-0.80x OpenBLAS's time here ((1088, 64) x (64, 128): 89.5 vs 111.6 us; X^T dY
-    (64, 1088) x (1088, 64): 42.7 vs 61.2 us; issue 13)."""
+    alone, never on a thread count.  Why: at the training step's small sizes MKL's
+    single-threaded products are faster than OpenBLAS's (docs/benchmarks-archive.md)."""
     if not _blas_operands(a, b):
         return None
     m, k = a.shape[::-1] if trans_a else a.shape

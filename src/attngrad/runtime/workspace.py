@@ -1,9 +1,8 @@
 """Reused scratch buffers for the temporaries of a NumPy call that are never returned.
 
 A fresh large array costs a page fault per 4 KiB page the first time it is written, on
-every call (glibc hands big blocks back to the OS when they are freed).  On this
-project's VM that was ~0.75 ms per MB: a fresh 8 MB dP took 6-14 ms of a 15 ms dense
-backward, against 3 ms in a reused buffer (issue 13, docs/performance.md).  So the hot
+every call (glibc hands big blocks back to the OS when they are freed): for the dense
+backward's dP those faults can cost more than the arithmetic itself.  So the hot
 paths write such temporaries into one buffer per use site and per thread, kept between
 calls, up to MAX_BYTES each (the sizes at which ``impl="auto"`` picks the dense path).
 
@@ -55,8 +54,7 @@ def carved(key: str, dtype, sizes: tuple, carve):
     elements of ``dtype`` (:func:`scratch`), kept for the next call with the same key,
     dtype and sizes while that buffer stays the same one: a caller that cuts the block
     into views (aligned, as :func:`attngrad.core.tiled.worker_scratch` does) gets the same
-    views back without cutting again (0.07-0.1 ms per worker and call after an idle spell,
-    issue 13).  None when the block would exceed MAX_BYTES.  The views are temporaries of
+    views back without cutting again (cutting is a fixed cost per worker and call).  None when the block would exceed MAX_BYTES.  The views are temporaries of
     one call, as every buffer here."""
     memo = getattr(_LOCAL, "carved", None)
     if memo is None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch.autograd.function import once_differentiable
 
@@ -73,21 +74,26 @@ class MHAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, w_in, w_q, w_k, w_v, b_in, w_out, b_out, bias, mask,
                 key_mask, options: LayerOptions):
+        # saved only so that autograd refuses a backward after an in-place change of an input
+        ctx.save_for_backward(query, key, value, w_in, w_q, w_k, w_v, b_in, w_out, b_out, bias)
         params = _attngrad_params(w_in, w_q, w_k, w_v, b_in, w_out, b_out)
+        ctx.numpy = _on_numpy(query)
+        if ctx.numpy:  # CPU: zero-copy NumPy views; attngrad's tiled/compiled path where it pays
+            params = {n: _np(t) for n, t in params.items()}
+            query, key, value, mask, key_mask, bias = (_np(t) for t in (query, key, value, mask, key_mask, bias))
         y, cache = mha_forward(
             params, query, key, value, num_heads=options.num_heads, mask=mask, key_mask=key_mask,
             causal=options.causal, bias=bias, dropout_p=options.dropout_p,
-            dropout_seed=options.dropout_seed, impl="dense",
+            dropout_seed=options.dropout_seed, impl="auto" if ctx.numpy else "dense",
         )  # (M1)-(M4) (B, Lq, E)
-        ctx.cache = cache  # memory: C (B, Lq, E), P (B, H, Lq, Lk), inputs and params by reference
+        y = _torch(y)
+        ctx.cache = cache  # memory: C (B, Lq, E), P or the tiled path's O(N), inputs and params by reference
         ctx.packed = w_in is not None
         ctx.out_shape, ctx.out_dtype, ctx.out_device = tuple(y.shape), y.dtype, y.device
-        # saved only so that autograd refuses a backward after an in-place change of an input
-        ctx.save_for_backward(query, key, value, w_in, w_q, w_k, w_v, b_in, w_out, b_out, bias)
         if not options.need_weights:
             return y
         ctx.set_materialize_grads(False)  # an unused weights output sends None, not zeros
-        return y, _weights(cache.attn, query.shape[1], key.shape[1], options)  # (B, H, Lq, Lk)
+        return y, _torch(_weights(cache.attn, query.shape[1], key.shape[1], options))  # (B, H, Lq, Lk)
 
     @staticmethod
     @once_differentiable
@@ -101,7 +107,10 @@ class MHAFunction(torch.autograd.Function):
             )
         if dy is None:  # only the weights were used, with a zero gradient
             dy = torch.zeros(ctx.out_shape, dtype=ctx.out_dtype, device=ctx.out_device)
-        inputs, grads = mha_backward(dy.contiguous(), ctx.cache)  # (M5)-(M9)
+        dy = _np(dy) if ctx.numpy else dy.contiguous()
+        inputs, grads = mha_backward(dy, ctx.cache)  # (M5)-(M9)
+        inputs = {n: _torch(g) for n, g in inputs.items()}
+        grads = {n: _torch(g) for n, g in grads.items()}
         dw = [grads[w].T for w in ("W_q", "W_k", "W_v")]  # torch's (out, in) layout
         d_in = torch.cat(dw) if ctx.packed else None  # (3E, E)
         d_sep = [None] * 3 if ctx.packed else dw
@@ -110,6 +119,22 @@ class MHAFunction(torch.autograd.Function):
             inputs["query"], inputs["key"], inputs["value"], d_in, *d_sep, d_b_in,
             grads["W_o"].T, grads.get("b_o"), inputs.get("bias"), None, None, None,
         )
+
+
+def _on_numpy(query) -> bool:
+    """CPU tensors of a dtype NumPy has run on NumPy views (the fast path); others the dense
+    path on the tensors' own device."""
+    return query.device.type == "cpu" and query.dtype in (torch.float16, torch.float32, torch.float64)
+
+
+def _np(t):
+    """A zero-copy NumPy view of a CPU tensor (any strides), or None."""
+    return None if t is None else t.detach().numpy()
+
+
+def _torch(a):
+    """A NumPy result as a tensor (sharing its memory); a tensor as it is."""
+    return torch.from_numpy(a) if isinstance(a, np.ndarray) else a
 
 
 class MultiheadAttention(torch.nn.MultiheadAttention):

@@ -1,10 +1,13 @@
-"""``scaled_dot_product_attention``: torch.nn.functional's, with attngrad's closed-form backward.
+"""``scaled_dot_product_attention``: torch.nn.functional's, on attngrad's fast path.
 
-    out = softmax(scale * Q K^T + bias, masked) V      (docs/equations.md, A1-A3)
+    out = softmax(scale * Q K^T + bias, masked) V      (docs/equations.md, A1-A3, V1-V5)
 
-The forward and backward are :func:`attngrad.sdpa_forward` / :func:`attngrad.sdpa_backward`
-(impl="dense", on the tensors' own device through the array API path), wrapped in a
-``torch.autograd.Function``.  This module only translates PyTorch's conventions:
+The forward and backward are the ``attngrad::sdpa`` custom operator (:mod:`.ops`): CPU
+tensors run attngrad's NumPy paths on zero-copy views (``impl="auto"``: the tiled/compiled
+path, O(N) memory, where it is the faster one), other devices the dense path on the
+tensors themselves.  Being a ``torch.library.custom_op`` with its autograd formula, it
+passes ``torch.library.opcheck`` and runs inside ``torch.compile(fullgraph=True)``.  This
+module only translates PyTorch's conventions:
 
 - any leading dims (..., L, D): broadcast like torch's matmul, flattened to attngrad's
   (B, H, L, D) and back; with ``enable_gqa`` the head axis (-3) is grouped instead;
@@ -15,6 +18,11 @@ The forward and backward are :func:`attngrad.sdpa_forward` / :func:`attngrad.sdp
 - ``dropout_p`` -> attngrad's counter-based dropout, its seed drawn from torch's RNG, so
   ``torch.manual_seed`` makes a run reproducible.
 
+Keyword extras (attngrad's options, docs/equations.md V1-V5): ``sinks=`` (H,) and
+``alibi_slopes=`` (H,) or (B, H) tensors (their gradients flow when they require grad),
+``softcap=`` c > 0, ``window=(left, right)`` (None = unbounded side; query i at position i
+under ``is_causal``, else bottom-right aligned) and ``impl=`` "auto", "tiled" or "dense".
+
 A query row with no key to attend gives 0 and zero gradients (torch 2.13's math backend
 agrees; other torch backends and versions give NaN there).
 """
@@ -23,22 +31,12 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
 
 import torch
-from torch.autograd.function import once_differentiable
 
-from attngrad.core import sdpa_backward, sdpa_forward
+from attngrad.torch.ops import sdpa_op
 
-
-@dataclass(frozen=True)
-class AttentionOptions:
-    """The non-tensor settings of one call, as attngrad names them."""
-
-    causal: str | bool = False  # False or "top_left"
-    scale: float | None = None  # None: 1/sqrt(D)
-    dropout_p: float = 0.0  # validated by attngrad's core
-    dropout_seed: int | None = None  # drawn from torch's RNG when dropout_p > 0
+IMPLS = ("auto", "tiled", "dense")
 
 
 def dropout_options(dropout_p) -> dict:
@@ -50,26 +48,46 @@ def dropout_options(dropout_p) -> dict:
     return {"dropout_p": dropout_p, "dropout_seed": seed}
 
 
-class SDPAFunction(torch.autograd.Function):
-    """(B, H, Lq, D), (B, Hkv, Lk, D), (B, Hkv, Lk, Dv) -> (B, H, Lq, Dv), attngrad both ways."""
+def _dropout(dropout_p):
+    """(p as a float, the seed as a 0-d int64 tensor or None): the seed is drawn from torch's
+    RNG as a tensor, so a compiled graph draws it without a graph break."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p must be a number in [0, 1); got {type(dropout_p).__name__}")
+    p = float(dropout_p)
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout_p must lie in [0, 1); got {dropout_p!r}")
+    return p, (torch.randint(0, 2**62, ()) if p > 0 else None)
 
-    @staticmethod
-    def forward(ctx, q, k, v, bias, mask, options: AttentionOptions):
-        out, cache = sdpa_forward(
-            q, k, v, mask=mask, bias=bias, causal=options.causal, scale=options.scale,
-            dropout_p=options.dropout_p, dropout_seed=options.dropout_seed, impl="dense",
-        )  # (A1)-(A3) (B, H, Lq, Dv)
-        ctx.cache = cache  # memory: P, (B, H, Lq, Lk), plus the inputs by reference
-        # saved only so that autograd refuses a backward after an in-place change of an input
-        ctx.save_for_backward(q, k, v, bias)
-        return out
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dout):
-        _ = ctx.saved_tensors  # raises if an input was modified in place since the forward
-        grads = sdpa_backward(dout, ctx.cache)  # (A4)-(A10)
-        return grads["q"], grads["k"], grads["v"], grads.get("bias"), None, None
+def _window_arg(window) -> list:
+    """attngrad's window (left, right), None = unbounded side -> the op's [left, right], -1 = None."""
+    if window is None:
+        return []
+    ok = isinstance(window, tuple | list) and len(window) == 2 and all(
+        w is None or (isinstance(w, numbers.Integral) and not isinstance(w, bool) and w >= 0) for w in window
+    )
+    if not ok:
+        raise ValueError(f"window must be None or a pair (left, right) of ints >= 0 or None; got {window!r}")
+    return [-1 if w is None else int(w) for w in window]
+
+
+def _real(name: str, value, positive: bool = False):
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise TypeError(f"{name} must be a finite real number or None; got {value!r}")
+    if positive and value <= 0:
+        raise ValueError(f"{name} must be > 0; got {value!r}")
+    return float(value)
+
+
+def _per_head(name: str, t, query):
+    """sinks / alibi_slopes: a tensor (its gradient flows), or a sequence made one of query's dtype."""
+    if t is None or isinstance(t, torch.Tensor):
+        return t
+    if isinstance(t, list | tuple):
+        return torch.tensor(t, dtype=query.dtype, device=query.device)
+    raise TypeError(f"{name} must be a torch.Tensor, a list of floats or None; got {type(t).__name__}")
 
 
 def scaled_dot_product_attention(
@@ -81,14 +99,24 @@ def scaled_dot_product_attention(
     is_causal=False,
     scale=None,
     enable_gqa=False,
+    *,
+    sinks=None,
+    softcap=None,
+    window=None,
+    alibi_slopes=None,
+    impl="auto",
 ):
-    """Drop-in for ``torch.nn.functional.scaled_dot_product_attention``; attngrad's backward.
+    """Drop-in for ``torch.nn.functional.scaled_dot_product_attention`` on attngrad's fast path.
 
     query (..., Hq, L, D), key (..., H, S, D), value (..., H, S, Dv) -> (..., Hq, L, Dv).
     attn_mask: bool (True = attend) or float added to the logits, broadcastable to
     (..., Hq, L, S).  is_causal: query i sees keys j <= i (top-left).  scale: default
     1/sqrt(D).  enable_gqa: Hq a multiple of H, query head h using key/value head
     h // (Hq / H).  A query row with no key to attend gives 0, never NaN.
+
+    Extras: sinks (Hq,), softcap c > 0, window (left, right), alibi_slopes (Hq,) or
+    (B, Hq) (B: the leading dims before the heads, flattened); impl "auto" (CPU: tiled or
+    dense by attngrad's size rule), "tiled" (CPU only) or "dense".
     """
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
@@ -97,6 +125,10 @@ def scaled_dot_product_attention(
         raise TypeError(f"is_causal must be a bool; got {type(is_causal).__name__}")
     if not isinstance(enable_gqa, bool):
         raise TypeError(f"enable_gqa must be a bool; got {type(enable_gqa).__name__}")
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {list(IMPLS)}; got {impl!r}")
+    if impl == "tiled" and query.device.type != "cpu":
+        raise ValueError(f"impl='tiled' runs on CPU tensors; query is on {query.device}")
     q, k, v, lead = _to_bhld(query, key, value, enable_gqa)  # (B, H, Lq, D), (B, Hkv, Lk, D|Dv)
     bias = mask = None
     if attn_mask is not None:
@@ -110,9 +142,12 @@ def scaled_dot_product_attention(
                 f"attn_mask must be bool (True = attend) or float of query's dtype "
                 f"{query.dtype}; got {attn_mask.dtype}"
             )
-    dropout = dropout_options(dropout_p)
-    options = AttentionOptions("top_left" if is_causal else False, scale, **dropout)
-    out = SDPAFunction.apply(q, k, v, bias, mask, options)  # (B, H, Lq, Dv)
+    p, seed = _dropout(dropout_p)
+    out = sdpa_op(
+        q, k, v, bias, mask, None, _per_head("sinks", sinks, query), _per_head("alibi_slopes", alibi_slopes, query),
+        seed, "top_left" if is_causal else "none", _real("scale", scale), _real("softcap", softcap, True),
+        _window_arg(window), p, impl,
+    )[0]  # (B, H, Lq, Dv)
     return out.reshape(*lead, *out.shape[2:])  # (..., Hq, Lq, Dv)
 
 

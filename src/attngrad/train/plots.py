@@ -35,14 +35,31 @@ def _pyplot():
 
 
 def _plain_log_ticks(ax) -> None:
-    """Log-scale y ticks written as plain numbers (2, 3, 5), not as 2 x 10^0."""
+    """Log-scale y ticks written as plain numbers (2, 3, 5), not as 2 x 10^0; the minor
+    ticks labelled only as far as they do not pile up (axis spans of a decade or more: none;
+    under a decade: 2, 3, 5; under a third of one: every one)."""
+    import math
+
     from matplotlib.ticker import FuncFormatter
 
+    def minor(v, _):
+        lo, hi = ax.get_ylim()
+        span = math.log10(hi / lo) if lo > 0 and hi > lo else 1.0
+        if v <= 0 or span >= 1.0:
+            return ""
+        m = round(v / 10 ** math.floor(math.log10(v) + 1e-9), 6)
+        return f"{v:g}" if span < 0.35 or m in (2.0, 3.0, 5.0) else ""
+
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-    ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(FuncFormatter(minor))
 
 
-def plot_loss_curve(records: list, png) -> Path:
+def _legend_below(ax) -> None:
+    """The legend under the axes, where it covers no curve."""
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncols=2, fontsize=8, frameon=False)
+
+
+def plot_loss_curve(records: list, png, unit: str = "byte") -> Path:
     """Training loss per step (raw and smoothed) with the held-out metric: exact match for
     the toy tasks; for a text run (--data) validation loss, the unigram baseline and, in a
     second panel, validation perplexity."""
@@ -50,7 +67,7 @@ def plot_loss_curve(records: list, png) -> Path:
     steps = np.array([r["step"] for r in records if "loss" in r])
     loss = np.array([r["loss"] for r in records if "loss" in r])
     val = [r for r in records if "val_loss" in r]
-    fig, axes = plt.subplots(1, 2 if val else 1, figsize=(10.5 if val else 6.4, 3.8), dpi=100,
+    fig, axes = plt.subplots(1, 2 if val else 1, figsize=(10.5 if val else 6.4, 4.4), dpi=100,
                              squeeze=False, layout="constrained")
     ax = axes[0][0]
     ax.plot(steps, loss, color="tab:blue", alpha=0.3, lw=0.8, label="training loss (per step)")
@@ -68,9 +85,9 @@ def plot_loss_curve(records: list, png) -> Path:
         if "val_unigram_loss" in val[-1]:
             u = val[-1]["val_unigram_loss"]
             ax.axhline(u, color="tab:red", ls="--", lw=1, label=f"unigram baseline ({u:.3f})")
-        ax.set_ylabel("cross-entropy (nats per byte)")
-        ax.set_title("Loss of the byte-level language model")
-        ax.legend(loc="upper right", fontsize=8)
+        ax.set_ylabel(f"cross-entropy (nats per {unit})")
+        ax.set_title("Loss of the language model")
+        _legend_below(ax)
         ax2 = axes[0][1]
         ax2.plot([r["step"] for r in val], [r["val_ppl"] for r in val], "o-", color="tab:orange")
         ax2.set_yscale("log")
@@ -88,8 +105,8 @@ def plot_loss_curve(records: list, png) -> Path:
             ax2.plot(*zip(*ev, strict=True), "o-", color="tab:orange", label="held-out exact match")
             ax2.set_ylim(0, 1.02)
             ax2.set_ylabel("held-out exact match")
-            ax2.legend(loc="center right", fontsize=8)
-        ax.legend(loc="upper right", fontsize=8)
+            ax2.legend(loc="upper center", bbox_to_anchor=(0.8, -0.16), fontsize=8, frameon=False)
+        ax.legend(loc="upper center", bbox_to_anchor=(0.3, -0.16), fontsize=8, frameon=False)
     fig.savefig(png)
     plt.close(fig)
     return Path(png)

@@ -14,8 +14,10 @@ from typing import NamedTuple
 
 from ..models import MODELS
 from .checkpoint import CheckpointError, list_checkpoints, load_checkpoint
-from .loop import TrainConfig, _expected
-from .text import decode, encode, generate
+from .config import TrainConfig
+from .runfolder import expected_arrays
+from .text import generate
+from .tokenizer import ByteTokenizer, tokenizer_for
 
 
 class TextModel(NamedTuple):
@@ -23,6 +25,7 @@ class TextModel(NamedTuple):
     params: dict
     step: int
     checkpoint: Path
+    tokenizer: object = ByteTokenizer()  # bytes, or the run's BPE (tokenizer.json beside the checkpoint)
 
 
 def load_text_model(run, checkpoint=None) -> TextModel:
@@ -46,13 +49,21 @@ def load_text_model(run, checkpoint=None) -> TextModel:
         raise ValueError(
             f"{path} is a {cfg.task} run (a toy task); attngrad sample needs a run trained with --data FILE.txt"
         )
-    arrays, state = load_checkpoint(path, expected=_expected(MODELS[cfg.model].init(cfg.model_config, 0)))
+    tok = tokenizer_for(cfg, path.parent, state.get("tokenizer_sha256"))  # before the arrays: a missing file is named first
+    arrays, state = load_checkpoint(path, expected=expected_arrays(MODELS[cfg.model].init(cfg.model_config, 0)))
     params = {k[len("param/") :]: v for k, v in arrays.items() if k.startswith("param/")}
-    return TextModel(cfg, params, int(state["step"]), path)
+    return TextModel(cfg, params, int(state["step"]), path, tok)
 
 
-def sample_text(model: TextModel, prompt: str, tokens: int, *, temperature: float = 1.0, seed: int = 0) -> str:
-    """``tokens`` new bytes after ``prompt``, decoded (invalid UTF-8 shows as U+FFFD)."""
+def sample_text(model: TextModel, prompt: str, tokens: int, *, temperature: float = 1.0, seed: int = 0,
+                top_k=None, top_p=None, kv_cache: bool = False) -> str:
+    """``tokens`` new tokens (bytes, or BPE tokens) after ``prompt``, decoded (invalid UTF-8
+    shows as U+FFFD); ``top_k``, ``top_p``, ``kv_cache`` as :func:`attngrad.train.text.generate`."""
     if not isinstance(prompt, str):
         raise TypeError(f"prompt must be a str; got {type(prompt).__name__}")
-    return decode(generate(model.params, model.cfg, encode(prompt), tokens, temperature=temperature, seed=seed))
+    tok = model.tokenizer
+    ids = tok.encode(prompt)
+    if ids.size == 0:
+        raise ValueError("prompt must not be empty (the model continues at least one token)")
+    return tok.decode(generate(model.params, model.cfg, ids, tokens, temperature=temperature, seed=seed,
+                               top_k=top_k, top_p=top_p, kv_cache=kv_cache, vocab_hi=tok.used))

@@ -1,6 +1,7 @@
-"""Data-parallel training: every rank draws the same global batch, keeps its rows, and
-the token-weighted gradient sums are all-reduced over gloo, so that each step equals one
-process's step on the whole batch (docs/distributed.md, RG7):
+"""Data-parallel training on :mod:`attngrad.distributed`'s process group: every rank draws
+the same global batch, keeps its rows, and the token-weighted gradient sums are all-reduced
+over gloo, so that each step equals one process's step on the whole batch
+(docs/distributed.md, RG7):
 
     g = (1 / N) sum_r N_r g_r,   loss = (1 / N) sum_r N_r loss_r,   N = sum_r N_r      (RG7)
 
@@ -13,8 +14,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from .comm import Ring
-from .launch import DEFAULT_TIMEOUT, DistributedError, init_from_env, peer_error, shutdown
+from ..distributed.comm import Ring
+from ..distributed.launch import (
+    DEFAULT_TIMEOUT,
+    DistributedError,
+    init_from_env,
+    peer_error,
+    shutdown,
+)
+from .loop import train
 
 
 class DataParallel:
@@ -67,8 +75,6 @@ def train_data_parallel(cfg, out, *, resume=None, timeout: float = DEFAULT_TIMEO
     """:func:`attngrad.train.train` as one rank of a data-parallel group (joined from the
     environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).  Rank 0 evaluates, writes
     metrics, checkpoints and figures; the others only train.  Returns the TrainResult."""
-    from ..train.loop import train
-
     rank, world = init_from_env(timeout)
     try:
         check_config(cfg, world)

@@ -10,26 +10,24 @@ from __future__ import annotations
 import argparse
 import math
 
-from ..cli.args import int_at_least, seconds
-from .launch import DEFAULT_TIMEOUT, DistributedError, launch_local, summarize_failure
+from ..distributed.launch import DEFAULT_TIMEOUT, DistributedError, launch_local, summarize_failure
+from .args import int_at_least, seconds
 
 _OURS = ("nproc", "distributed", "port", "dist_timeout")
-
-
-
-
+# the defaults of the options above that are None until --config / --preset are read
+DEFAULTS = {"nproc": 1, "dist_timeout": DEFAULT_TIMEOUT}
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
     """The data-parallel options of ``attngrad train``."""
     g = p.add_argument_group("data parallel (torch.distributed, gloo)")
-    g.add_argument("--nproc", type=int_at_least(1), default=1,
+    g.add_argument("--nproc", type=int_at_least(1), default=None,
                    help="train on P local processes, gradients all-reduced (default 1)")
     g.add_argument("--distributed", action="store_true",
                    help="run as one rank of a group started by torchrun (RANK, WORLD_SIZE, "
                         "MASTER_ADDR, MASTER_PORT)")
     g.add_argument("--port", type=int_at_least(1), default=None, help="with --nproc: MASTER_PORT (default: a free one)")
-    g.add_argument("--dist-timeout", type=seconds, default=DEFAULT_TIMEOUT,
+    g.add_argument("--dist-timeout", type=seconds, default=None,
                    help=f"seconds to wait for a peer in any step (default {DEFAULT_TIMEOUT:g})")
     p.set_defaults(_parser=p)
 
@@ -39,13 +37,14 @@ def rank_argv(args) -> list[str]:
     argv = ["-m", "attngrad", "train", "--distributed", "--dist-timeout", repr(args.dist_timeout)]
     for a in args._parser._actions:
         if a.dest in (*_OURS, "help", "_parser") or not a.option_strings:
-            continue
+            continue  # --config, --preset pass on too: they hold options without a flag (beta2)
         value = getattr(args, a.dest, a.default)
-        if value == a.default:
+        if value is None or value == a.default:
             continue
         flag = a.option_strings[-1] if a.option_strings[-1].startswith("--") else a.option_strings[0]
         if isinstance(a, argparse._StoreTrueAction | argparse._StoreFalseAction):
-            argv.append(flag)
+            if value == a.const:  # given (or read from --config): the flag; else the default
+                argv.append(flag)
         elif a.nargs == "?" and value == a.const:
             argv.append(flag)
         else:
@@ -66,15 +65,15 @@ def launch_train(args) -> int:
 
 
 def check_config(cfg, nproc: int) -> None:
-    """Refuse up front what data parallelism cannot do (see :func:`.dp.check_config`)."""
-    from .dp import check_config as check
+    """Refuse up front what data parallelism cannot do (see :func:`attngrad.train.dp.check_config`)."""
+    from ..train.dp import check_config as check
 
     check(cfg, nproc)
 
 
 def train_data_parallel(*args, **kwargs):
-    """:func:`.dp.train_data_parallel` (imported on use)."""
-    from .dp import train_data_parallel as run
+    """:func:`attngrad.train.dp.train_data_parallel` (imported on use)."""
+    from ..train.dp import train_data_parallel as run
 
     return run(*args, **kwargs)
 

@@ -1,0 +1,227 @@
+"""The cases of the conformance grid and their ids.
+
+A :class:`GridCase` is one attention problem (shapes, masks, causal alignment, bias, variants,
+dtype, probe).  Its id is a self-describing string, ``family:key=value,...``, from which
+:func:`parse_case_id` rebuilds the same case (and :func:`~.inputs.make_inputs` the same
+arrays), so ``attngrad conform TARGET --repro CASE_ID`` needs nothing but the id.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field, fields
+
+from ..core.variants import VARIANT_FEATURES, VARIANTS
+
+DTYPES = ("float64", "float32", "float16", "bfloat16")
+MASKS = ("none", "padding", "random", "fully_masked")
+CAUSALS = ("none", "top_left", "bottom_right")
+BIAS_SHAPES = ("none", "BHQK", "1HQK", "B11K", "QK")  # the bias's shape, broadcast to (B, H, Lq, Lk)
+MAX_LOGITS = 1 << 24  # B*H*Lq*Lk of one case: the dense reference keeps several such arrays
+PROBES = ("none", "nan_keys", "inf_values", "large_logits", "determinism")
+# Hygiene probes: inputs outside what the maths is about (NaN/inf where no query looks, logits
+# of 1e4).  A target that does not survive one is "fragile" (failing only under --strict);
+# every other case is judged for correctness.  A new probe is added here and in PROBES.
+HYGIENE = ("nan_keys", "inf_values", "large_logits")
+
+# Every feature a case may need and a target may declare (the variants by their feature names).
+FEATURES = (
+    "gqa",  # H a multiple of Hkv > 1 ... or Hkv = 1 (MQA)
+    "dv",  # Dv != D
+    "mask",  # boolean mask (True = attend)
+    "padding",  # key padding
+    "fully_masked",  # query rows with no key to attend
+    "causal",  # causal with Lq == Lk (both alignments agree)
+    "causal_top_left",  # causal with Lq != Lk, PyTorch's alignment
+    "causal_bottom_right",  # causal with Lq != Lk, FlashAttention's alignment
+    "bias",  # additive bias (forward; q, k, v gradients)
+    "bias_grad",  # gradient of the bias, reduced to its shape
+    *VARIANT_FEATURES.values(),
+    "alibi_grad",  # gradient of the ALiBi slopes
+    *DTYPES,
+)
+
+
+@dataclass(frozen=True)
+class GridCase:
+    """One conformance case.  Fields left at their defaults are left out of the id."""
+
+    family: str
+    b: int = 1
+    h: int = 2
+    hkv: int = 2
+    lq: int = 16
+    lk: int = 16
+    d: int = 32
+    dv: int = 32
+    mask: str = "none"
+    causal: str = "none"
+    bias: str = "none"
+    softcap: float = 0.0
+    sinks: bool = False
+    alibi: bool = False
+    window: str = "none"  # "LEFT_RIGHT", a side "none" when unbounded, e.g. "32_0", "none_8"
+    segments: bool = False
+    dropout: float = 0.0
+    scale_grad: bool = False
+    learn: str = ""  # "+"-joined extra parameters whose gradients are checked: bias, alibi_slopes
+    dtype: str = "float64"
+    probe: str = "none"
+    seed: int = field(default=-1, compare=False)
+
+    def __post_init__(self):
+        if self.seed < 0:  # a stable seed derived from the parameters
+            object.__setattr__(self, "seed", zlib.crc32(self._body().encode()) % 100_000)
+
+    def _body(self) -> str:
+        parts = []
+        for f in fields(self):
+            if f.name in ("family", "seed"):
+                continue
+            value = getattr(self, f.name)
+            if value != f.default:
+                parts.append(f"{f.name}={_fmt(value)}")
+        return ",".join(parts)
+
+    @property
+    def id(self) -> str:
+        body = self._body()
+        return f"{self.family}:{body + ',' if body else ''}seed={self.seed}"
+
+    @property
+    def variants(self) -> tuple[str, ...]:
+        """The variants this case switches on, by their feature names, in VARIANTS' order."""
+        on = {
+            "sinks": self.sinks,
+            "softcap": self.softcap > 0,
+            "alibi": self.alibi,
+            "window": self.window != "none",
+            "segments": self.segments,
+            "dropout": self.dropout > 0,
+            "scale": self.scale_grad,
+        }
+        return tuple(VARIANT_FEATURES[v] for v in VARIANTS if on[v])
+
+    @property
+    def hygiene(self) -> bool:
+        """True for a hygiene probe (a failure there is "fragile", not "fail")."""
+        return self.probe in HYGIENE
+
+    @property
+    def learned(self) -> tuple[str, ...]:
+        return tuple(x for x in self.learn.split("+") if x)
+
+    def features(self) -> set[str]:
+        """The features a target must declare for this case to run."""
+        need = {self.dtype, *self.variants}
+        if self.hkv != self.h:
+            need.add("gqa")
+        if self.dv != self.d:
+            need.add("dv")
+        if self.mask == "padding" or self.probe in ("nan_keys", "inf_values"):
+            need.add("padding")
+        if self.mask in ("random", "fully_masked"):
+            need.add("mask")
+        if self.mask == "fully_masked":
+            need.add("fully_masked")
+        if self.causal != "none":
+            need.add("causal" if self.lq == self.lk else f"causal_{self.causal}")
+            if self.causal == "bottom_right" and self.lq > self.lk:
+                need.add("fully_masked")  # the first Lq - Lk rows see no key
+        if self.bias != "none":
+            need.add("bias")
+        if "bias" in self.learned:
+            need.add("bias_grad")
+        if "alibi_slopes" in self.learned:
+            need.add("alibi_grad")
+        return need
+
+    def describe(self) -> str:
+        kv = "MHA" if self.hkv == self.h else ("MQA" if self.hkv == 1 else "GQA")
+        text = (
+            f"B={self.b} H={self.h} Hkv={self.hkv} ({kv}) Lq={self.lq} Lk={self.lk} "
+            f"D={self.d} Dv={self.dv} {self.dtype}"
+        )
+        extras = [f"mask {self.mask}"] if self.mask != "none" else []
+        if self.causal != "none":
+            extras.append(f"causal {self.causal}")
+        if self.bias != "none":
+            extras.append(f"bias {self.bias}")
+        extras += [v if v != "window" else f"window {self.window}" for v in self.variants]
+        if self.learned:
+            extras.append("grads of " + ", ".join(self.learned))
+        if self.probe != "none":
+            extras.append(f"probe {self.probe}")
+        return text + ("; " + ", ".join(extras) if extras else "")
+
+
+def _fmt(value) -> str:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+def parse_case_id(text: str) -> GridCase:
+    """The :class:`GridCase` of an id written by :attr:`GridCase.id`; ValueError naming what is wrong."""
+    family, sep, body = str(text).partition(":")
+    if not sep or not family:
+        raise ValueError(f"case id must look like FAMILY:key=value,...; got {text!r}")
+    types = {f.name: f.type for f in fields(GridCase)}
+    kwargs: dict = {"family": family}
+    for item in filter(None, body.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or key not in types or key == "family":
+            raise ValueError(f"case id {text!r}: unknown entry {item!r}")
+        kind = types[key]
+        try:
+            if kind == "int":
+                kwargs[key] = int(value)
+            elif kind == "float":
+                kwargs[key] = float(value)
+            elif kind == "bool":
+                if value not in ("0", "1"):
+                    raise ValueError
+                kwargs[key] = value == "1"
+            else:
+                kwargs[key] = value
+        except ValueError:
+            raise ValueError(f"case id {text!r}: bad value in {item!r}") from None
+    case = GridCase(**kwargs)
+    check_case(case)
+    return case
+
+
+def check_case(case: GridCase) -> None:
+    """ValueError unless the case describes a possible problem."""
+    for name, allowed in (("mask", MASKS), ("causal", CAUSALS), ("bias", BIAS_SHAPES),
+                          ("dtype", DTYPES), ("probe", PROBES)):
+        if getattr(case, name) not in allowed:
+            raise ValueError(f"case {name} must be one of {', '.join(allowed)}; got {getattr(case, name)!r}")
+    sizes = {k: getattr(case, k) for k in ("b", "h", "hkv", "lq", "lk", "d", "dv")}
+    if any(v < 1 or v > 1 << 14 for v in sizes.values()):
+        raise ValueError(f"case sizes must lie in 1..16384; got {sizes}")
+    logits = case.b * case.h * case.lq * case.lk
+    if logits > MAX_LOGITS:
+        raise ValueError(
+            f"case needs B*H*Lq*Lk = {logits} logits (about {logits * 8 * 6 >> 20} MiB in float64); "
+            f"at most {MAX_LOGITS} are allowed"
+        )
+    if case.h % case.hkv:
+        raise ValueError(f"case h={case.h} must be a multiple of hkv={case.hkv}")
+    if case.window != "none":
+        parse_window(case.window)
+    if not 0 <= case.dropout < 1 or case.softcap < 0:
+        raise ValueError("case dropout must lie in [0, 1) and softcap be >= 0")
+    bad = [x for x in case.learned if x not in ("bias", "alibi_slopes")]
+    if bad:
+        raise ValueError(f"case learn must name bias or alibi_slopes; got {bad}")
+
+
+def parse_window(text: str) -> tuple:
+    try:
+        left, right = text.split("_")
+        return tuple(None if s == "none" else int(s) for s in (left, right))
+    except ValueError:
+        raise ValueError(f"case window must look like LEFT_RIGHT (ints or none); got {text!r}") from None

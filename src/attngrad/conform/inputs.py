@@ -1,0 +1,174 @@
+"""The arrays of a conformance case, rebuilt from its seed (same case, same arrays, everywhere).
+
+:func:`make_inputs` draws q, k, v and dout, then the masks, the bias and the variants'
+values, always in that order from one generator, so an id rebuilds the same inputs.  The
+mask structure the reference must honour is built here as plain data (``allowed``),
+independently of attngrad's mask code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .cases import GridCase, check_case, parse_window
+
+
+@dataclass(frozen=True)
+class CaseInputs:
+    """The inputs of a case, as float64 NumPy arrays holding values exact in ``dtype``.
+
+    ``options`` are :func:`attngrad.sdpa_forward`'s keyword options for the case (the
+    reference gets exactly these); ``allowed`` is the full (B, H, Lq, Lk) structure the
+    masks leave (True = attend).
+    """
+
+    case: GridCase
+    q: np.ndarray  # (B, H, Lq, D)
+    k: np.ndarray  # (B, Hkv, Lk, D)
+    v: np.ndarray  # (B, Hkv, Lk, Dv)
+    dout: np.ndarray  # (B, H, Lq, Dv)
+    options: dict
+    allowed: np.ndarray  # (B, H, Lq, Lk) bool
+    clean_k: np.ndarray  # k without the NaN/inf of the nan_keys probe (what the reference sees)
+    clean_v: np.ndarray
+    positional: np.ndarray | None = None  # (Lq, Lk) the causal and window rules alone (no masks)
+
+    @property
+    def dtype(self) -> str:
+        return self.case.dtype
+
+
+def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
+    """``x`` rounded to ``dtype`` (nearest even), returned as float64."""
+    if dtype == "float64":
+        return np.asarray(x, dtype=np.float64)
+    if dtype == "bfloat16":  # NumPy has no bfloat16: round the float32 bits by hand
+        bits = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.astype(np.uint32).view(np.float32).astype(np.float64)
+    return np.asarray(x, dtype=dtype).astype(np.float64)
+
+
+def make_inputs(case: GridCase) -> CaseInputs:
+    """Rebuild the inputs of ``case`` from its seed."""
+    check_case(case)
+    rng = np.random.default_rng(case.seed)
+    c = case
+    spread = 100.0 if c.probe == "large_logits" else 1.0  # logits of magnitude ~1e4
+    q = round_to(rng.standard_normal((c.b, c.h, c.lq, c.d)) * spread, c.dtype)  # (B, H, Lq, D)
+    k = round_to(rng.standard_normal((c.b, c.hkv, c.lk, c.d)) * spread, c.dtype)  # (B, Hkv, Lk, D)
+    v = round_to(rng.standard_normal((c.b, c.hkv, c.lk, c.dv)), c.dtype)  # (B, Hkv, Lk, Dv)
+    dout = round_to(rng.standard_normal((c.b, c.h, c.lq, c.dv)), c.dtype)  # (B, H, Lq, Dv)
+    scale = 1.0 / np.sqrt(c.d)
+    if c.scale_grad:
+        scale = float(round_to(np.array(0.7 / np.sqrt(c.d)), c.dtype))
+    options: dict = {"scale": float(scale)}
+    allowed = _masks(rng, c, options)  # (B, H, Lq, Lk)
+    allowed &= _variants(rng, c, options)
+    positional = _positional(c)  # (Lq, Lk)
+    clean_k, clean_v = k, v
+    if c.probe in ("nan_keys", "inf_values"):
+        k, v = _poison(c, k, v, allowed)
+    return CaseInputs(case, q, k, v, dout, options, allowed, clean_k, clean_v, positional)
+
+
+def _positional(c: GridCase) -> np.ndarray:
+    """(Lq, Lk): what the causal rule and the window leave, without any mask."""
+    pos, j = _positions(c)
+    out = np.ones((c.lq, c.lk), dtype=bool)
+    if c.causal != "none":
+        out &= j <= pos
+    if c.window != "none":
+        left, right = parse_window(c.window)
+        if left is not None:
+            out &= j >= pos - left
+        if right is not None:
+            out &= j <= pos + right
+    return out
+
+
+def _positions(c: GridCase) -> tuple:
+    """Query positions i (Lq, 1), shifted to where they sit under the causal alignment, and
+    key positions j (1, Lk)."""
+    offset = c.lk - c.lq if c.causal == "bottom_right" else 0  # query i sits at i + offset
+    return np.arange(c.lq)[:, None] + offset, np.arange(c.lk)[None, :]
+
+
+def _masks(rng, c: GridCase, options: dict) -> np.ndarray:
+    """The causal rule, key padding, the boolean mask and the bias into ``options``; the
+    (B, H, Lq, Lk) structure they leave."""
+    allowed = np.ones((c.b, c.h, c.lq, c.lk), dtype=bool)  # (B, H, Lq, Lk)
+    pos, j = _positions(c)
+    if c.causal != "none":
+        options["causal"] = c.causal
+        allowed &= j <= pos
+    if c.mask == "padding" or c.probe in ("nan_keys", "inf_values"):
+        lengths = rng.integers(max(1, c.lk // 2), c.lk + 1, size=c.b)
+        lengths[0] = max(1, c.lk - max(1, c.lk // 3))  # at least one batch row padded
+        if c.lk == 1:
+            lengths[:] = 1
+        options["key_lengths"] = lengths.astype(np.int64)
+        allowed &= (j < lengths[:, None, None, None])
+    if c.mask in ("random", "fully_masked"):
+        m = rng.random((c.b, c.h, c.lq, c.lk)) < 0.7  # (B, H, Lq, Lk)
+        if c.mask == "fully_masked":
+            m[:, :, rng.integers(0, c.lq)] = False  # one row in every head
+            m[0, c.h - 1, : max(1, c.lq // 4)] = False  # and a block in one head
+        options["mask"] = m
+        allowed &= m
+    if c.bias != "none":
+        shape = {"BHQK": (c.b, c.h, c.lq, c.lk), "1HQK": (1, c.h, c.lq, c.lk),
+                 "B11K": (c.b, 1, 1, c.lk), "QK": (c.lq, c.lk)}[c.bias]
+        options["bias"] = round_to(rng.standard_normal(shape), c.dtype)
+    return allowed
+
+
+def _variants(rng, c: GridCase, options: dict) -> np.ndarray:
+    """The variants' options (V1-V7) into ``options``; the (B, 1, Lq, Lk) or (Lq, Lk)
+    structure the window (V5) and segments (V6) leave."""
+    allowed = np.ones((c.lq, c.lk), dtype=bool)  # (Lq, Lk)
+    if c.softcap > 0:
+        options["softcap"] = float(c.softcap)
+    if c.sinks:
+        options["sinks"] = round_to(rng.standard_normal(c.h), c.dtype)  # (H,)
+    if c.alibi:
+        options["alibi_slopes"] = round_to(rng.uniform(0.05, 0.5, c.h), c.dtype)  # (H,)
+    if c.window != "none":
+        left, right = parse_window(c.window)
+        options["window"] = (left, right)
+        pos, j = _positions(c)
+        if left is not None:
+            allowed &= j >= pos - left
+        if right is not None:
+            allowed &= j <= pos + right
+    if c.segments:
+        qs = np.sort(rng.integers(0, 3, (c.b, c.lq)), axis=1)  # (B, Lq) packed documents
+        ks = np.sort(rng.integers(0, 3, (c.b, c.lk)), axis=1)  # (B, Lk)
+        options["q_segment_ids"] = qs.astype(np.int64)
+        options["kv_segment_ids"] = ks.astype(np.int64)
+        allowed = allowed & (qs[:, None, :, None] == ks[:, None, None, :])  # (B, 1, Lq, Lk)
+    if c.dropout > 0:
+        options["dropout_p"] = float(c.dropout)
+        options["dropout_seed"] = int(c.seed)
+    if c.scale_grad:
+        options["scale_grad"] = True
+    return allowed
+
+
+def _poison(c: GridCase, k: np.ndarray, v: np.ndarray, allowed: np.ndarray) -> tuple:
+    """k with NaN (probe nan_keys) or v with ±inf and NaN (inf_values) at every key or value
+    no query may attend."""
+    unused = ~allowed.any(axis=2)  # (B, H, Lk)
+    h_of_kv = np.arange(c.h) // (c.h // c.hkv)
+    unused_kv = np.stack([unused[:, h_of_kv == g].all(axis=1) for g in range(c.hkv)], axis=1)  # (B, Hkv, Lk)
+    if c.probe == "nan_keys":
+        k = k.copy()
+        k[unused_kv] = np.nan
+    else:
+        v = v.copy()
+        v[unused_kv] = np.inf
+        v[..., 0][unused_kv] = -np.inf
+        v[..., -1][unused_kv] = np.nan
+    return k, v

@@ -1,0 +1,269 @@
+"""The PyTorch targets: plain ops, scaled_dot_product_attention, FlashAttention, FlexAttention.
+
+Each runs a case in its dtype, with its inputs created on the target's device (``--device``),
+and takes the gradients of L = sum(out * dout) by autograd; the answers come back to the CPU
+as float64.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from .inputs import CaseInputs
+from .reference import dropout_keep
+from .result import Result
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - depends on the environment
+        raise ValueError("this target needs PyTorch, which is not installed") from None
+    return torch
+
+
+def _leaf(torch, x, dtype, grad=True, device="cpu"):
+    """A leaf tensor of ``x`` in ``dtype`` on ``device`` (cast on the CPU first: MPS has no float64)."""
+    return torch.from_numpy(np.ascontiguousarray(x)).to(dtype).to(device).requires_grad_(grad)
+
+
+def _const(torch, x, dtype=None, device="cpu"):
+    t = torch.from_numpy(np.ascontiguousarray(x))
+    return (t if dtype is None else t.to(dtype)).to(device)
+
+
+HALF = ("float16", "bfloat16")
+
+
+def _tdtype(torch, name: str):
+    return getattr(torch, name)
+
+
+def _collect(out, leaves: dict, layout_bl: bool = False) -> Result:
+    """float64 NumPy out (B, H, Lq, Dv) and gradients from torch leaves."""
+    if layout_bl:
+        out = out.transpose(1, 2)
+    grads = {}
+    for name, t in leaves.items():
+        g = t.grad
+        if g is None:
+            g = np.zeros(tuple(t.shape))
+        else:
+            g = g.detach().cpu().double()
+            if layout_bl and name in ("q", "k", "v"):
+                g = g.transpose(1, 2)
+            g = g.numpy()
+        grads[name] = np.array(g, dtype=np.float64)
+    return Result(out.detach().cpu().double().numpy().copy(), grads)
+
+
+def torch_naive(problem: CaseInputs, device="cpu") -> Result:
+    """Plain PyTorch ops, autograd for the gradients: every feature.  As PyTorch's math
+    backend does, float16 and bfloat16 inputs are computed in float32 and the output rounded
+    to their dtype (the gradients are rounded at the leaves).
+
+    On the CPU this is also the plain baseline p of the low-precision rule (CF1).
+    """
+    torch = _torch()
+    c, o = problem.case, problem.options
+    dt = _tdtype(torch, c.dtype)
+    wt = torch.float32 if c.dtype in HALF else dt  # the arithmetic's dtype
+
+    def leaf(x, grad=True):
+        return _leaf(torch, x, dt, grad, device)
+
+    leaves = {"q": leaf(problem.q), "k": leaf(problem.k), "v": leaf(problem.v)}
+    scale = o["scale"]
+    if c.scale_grad:
+        leaves["scale"] = torch.tensor(scale, dtype=dt, device=device, requires_grad=True)
+        scale = leaves["scale"].to(wt)
+    g = c.h // c.hkv
+    k = leaves["k"].to(wt).repeat_interleave(g, dim=1)  # (B, H, Lk, D)
+    v = leaves["v"].to(wt).repeat_interleave(g, dim=1)  # (B, H, Lk, Dv)
+    s = (leaves["q"].to(wt) @ k.transpose(-1, -2)) * scale  # (B, H, Lq, Lk)
+    if c.softcap > 0:
+        s = c.softcap * torch.tanh(s / c.softcap)
+    if "bias" in o:
+        leaves["bias"] = leaf(o["bias"], "bias" in c.learned)
+        s = s + leaves["bias"].to(wt)
+    if "alibi_slopes" in o:
+        leaves["alibi_slopes"] = leaf(o["alibi_slopes"], "alibi_slopes" in c.learned)
+        off = c.lk - c.lq if c.causal == "bottom_right" else 0
+        dist = (torch.arange(c.lq)[:, None] + off - torch.arange(c.lk)[None, :]).abs().to(wt).to(device)  # (Lq, Lk)
+        s = s - leaves["alibi_slopes"].to(wt)[:, None, None] * dist
+    allowed = _const(torch, problem.allowed, device=device)  # (B, H, Lq, Lk)
+    s = s.masked_fill(~allowed, float("-inf"))
+    m = s.amax(dim=-1, keepdim=True).detach()  # (B, H, Lq, 1)
+    if c.sinks:
+        leaves["sinks"] = leaf(o["sinks"])
+        sink = leaves["sinks"].to(wt)[None, :, None, None]  # (1, H, 1, 1)
+        m = torch.maximum(m, sink.detach())
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    e = torch.exp(s - m)  # (B, H, Lq, Lk)
+    z = e.sum(dim=-1, keepdim=True)
+    if c.sinks:
+        z = z + torch.exp(sink - m)
+    p = e / torch.where(z > 0, z, torch.ones_like(z))
+    if c.dropout > 0:
+        keep = _const(torch, dropout_keep(problem), wt, device)
+        p = p * keep / (1 - c.dropout)
+    out = (p @ v).to(dt)  # (B, H, Lq, Dv)
+    (out * _const(torch, problem.dout, dt, device)).sum().backward()
+    for name in ("bias", "alibi_slopes"):
+        if name in leaves and name not in c.learned:
+            del leaves[name]
+    return _collect(out, leaves)
+
+
+def _alibi_bias(problem: CaseInputs) -> np.ndarray:
+    """(1, H, Lq, Lk) the ALiBi term -slope_h * |i + off - j| as an additive bias (float64)."""
+    c, o = problem.case, problem.options
+    off = c.lk - c.lq if c.causal == "bottom_right" else 0
+    dist = np.abs(np.arange(c.lq)[:, None] + off - np.arange(c.lk)[None, :])  # (Lq, Lk)
+    return -np.asarray(o["alibi_slopes"], np.float64)[None, :, None, None] * dist
+
+
+def sdpa_runner(fn, backend: str | None = None, device="cpu", builtin: bool = False
+                ) -> Callable[[CaseInputs], Result]:
+    """torch.nn.functional.scaled_dot_product_attention's signature, autograd gradients.
+
+    Causal alone is ``is_causal=True`` (top-left, or Lq = Lk); every other structure (masks,
+    padding, bottom-right causal, windows, segments) is a boolean ``attn_mask`` (True = attend),
+    for the built-in torch.sdpa bottom-right causal alone is ``causal_lower_right``; a bias and
+    ALiBi are a float ``attn_mask`` with -inf where masked.
+    """
+
+    def run(problem: CaseInputs) -> Result:
+        torch = _torch()
+        c, o = problem.case, problem.options
+        dt = _tdtype(torch, c.dtype)
+        leaves = {n: _leaf(torch, a, dt, True, device)
+                  for n, a in (("q", problem.q), ("k", problem.k), ("v", problem.v))}
+        structure = any(n in o for n in ("mask", "key_lengths", "window", "q_segment_ids"))
+        additive = "bias" in o or "alibi_slopes" in o
+        kwargs: dict = {"scale": o["scale"]}
+        attn_mask = None
+        if c.causal != "none" and not (structure or additive) and (c.causal == "top_left" or c.lq == c.lk):
+            kwargs["is_causal"] = True
+        elif c.causal == "bottom_right" and builtin and not (structure or additive):
+            from torch.nn.attention.bias import causal_lower_right
+
+            attn_mask = causal_lower_right(c.lq, c.lk)
+        elif structure or c.causal != "none":
+            attn_mask = _const(torch, problem.allowed, device=device)  # (B, H, Lq, Lk) every rule folded in
+        if additive:
+            allowed = _const(torch, problem.allowed, device=device)
+            add = None
+            if "bias" in o:
+                leaves["bias"] = _leaf(torch, o["bias"], dt, "bias" in c.learned, device)
+                add = leaves["bias"]
+            if "alibi_slopes" in o:  # ALiBi, mapped to what the protocol has: a bias (no gradient)
+                alibi = _const(torch, _alibi_bias(problem), dt, device)
+                add = alibi if add is None else add + alibi
+            attn_mask = add.masked_fill(~allowed, float("-inf"))
+            if "bias" in leaves and "bias" not in c.learned:
+                del leaves["bias"]
+        if attn_mask is not None:
+            kwargs["attn_mask"] = attn_mask
+        if c.hkv != c.h:
+            kwargs["enable_gqa"] = True
+        if backend is None:
+            out = fn(leaves["q"], leaves["k"], leaves["v"], **kwargs)
+        else:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            with sdpa_kernel(getattr(SDPBackend, backend)):
+                out = fn(leaves["q"], leaves["k"], leaves["v"], **kwargs)
+        if isinstance(out, tuple):  # (out, lse, ...) from kernels that return more
+            out = out[0]
+        (out * _const(torch, problem.dout, dt, device)).sum().backward()
+        return _collect(out, leaves)
+
+    return run
+
+
+def flash_runner(fn, device="cpu") -> Callable[[CaseInputs], Result]:
+    """FlashAttention's flash_attn_func signature on (B, L, H, D) tensors, autograd."""
+
+    def run(problem: CaseInputs) -> Result:
+        torch = _torch()
+        c, o = problem.case, problem.options
+        dt = _tdtype(torch, c.dtype)
+        leaves = {n: _leaf(torch, np.swapaxes(a, 1, 2), dt, True, device)
+                  for n, a in (("q", problem.q), ("k", problem.k), ("v", problem.v))}
+        left, right = o.get("window", (None, None))
+        kwargs = {
+            "dropout_p": 0.0,
+            "softmax_scale": o["scale"],
+            "causal": c.causal != "none",
+            "window_size": (-1 if left is None else left, -1 if right is None else right),
+            "softcap": float(c.softcap),
+            "alibi_slopes": None,
+            "deterministic": True,
+            "return_attn_probs": False,
+        }
+        if "alibi_slopes" in o:  # float32 as FlashAttention wants, float64 kept in float64 cases
+            kwargs["alibi_slopes"] = _const(torch, o["alibi_slopes"],
+                                            torch.float64 if c.dtype == "float64" else torch.float32, device)
+        out = fn(leaves["q"], leaves["k"], leaves["v"], **kwargs)
+        if isinstance(out, tuple):
+            out = out[0]
+        dout = _const(torch, np.swapaxes(problem.dout, 1, 2), dt, device)
+        (out * dout).sum().backward()
+        return _collect(out, leaves, layout_bl=True)
+
+    return run
+
+
+def flex_runner(device="cpu") -> Callable[[CaseInputs], Result]:
+    """FlexAttention with every rule as a score_mod (compiled on CUDA); gradients if the
+    backend gives them."""
+
+    def run(problem: CaseInputs) -> Result:
+        return torch_flex(problem, device)
+
+    return run
+
+
+def torch_flex(problem: CaseInputs, device="cpu") -> Result:
+    """FlexAttention with every rule as a score_mod; gradients if the backend gives them."""
+    torch = _torch()
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if str(device).startswith("cuda"):
+        flex_attention = torch.compile(flex_attention, dynamic=False)
+    c, o = problem.case, problem.options
+    dt = _tdtype(torch, c.dtype)
+    allowed = _const(torch, problem.allowed, device=device)  # (B, H, Lq, Lk)
+    bias = None
+    if "bias" in o:
+        bias = _const(torch, np.broadcast_to(o["bias"], problem.allowed.shape), dt, device)
+    slopes = _const(torch, o["alibi_slopes"], dt, device) if "alibi_slopes" in o else None
+    off = c.lk - c.lq if c.causal == "bottom_right" else 0
+
+    def score_mod(score, b, h, i, j):
+        if c.softcap > 0:
+            score = c.softcap * torch.tanh(score / c.softcap)
+        if bias is not None:
+            score = score + bias[b, h, i, j]
+        if slopes is not None:
+            score = score - slopes[h] * (i + off - j).abs()
+        return torch.where(allowed[b, h, i, j], score, -float("inf"))
+
+    def forward(grad: bool):
+        leaves = {n: _leaf(torch, a, dt, grad, device)
+                  for n, a in (("q", problem.q), ("k", problem.k), ("v", problem.v))}
+        out = flex_attention(leaves["q"], leaves["k"], leaves["v"], score_mod=score_mod,
+                             scale=o["scale"], enable_gqa=c.hkv != c.h)
+        return out, leaves
+
+    try:
+        out, leaves = forward(True)
+        (out * _const(torch, problem.dout, dt, device)).sum().backward()
+        return _collect(out, leaves)
+    except NotImplementedError as exc:  # the backward is refused on CPU: check the forward
+        out, _ = forward(False)
+        why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return Result(out.detach().cpu().double().numpy().copy(), None, f"backward refused: {why}")

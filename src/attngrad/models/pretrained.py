@@ -1,0 +1,478 @@
+"""Hugging Face GPT-2 and Llama directories, in and out: ``config.json`` +
+``model.safetensors`` (or shards listed in ``model.safetensors.index.json``), read and
+written with the ``safetensors`` package's NumPy API (no pickle, no torch, no
+transformers needed).
+
+    model = load_pretrained("path/to/gpt2-dir")        # GPT2LMHeadModel or LlamaForCausalLM weights
+    logits = model.logits(ids)                         # (B, L, V), transformers' logits
+    save_pretrained("out-dir", model.kind, model.config, model.params)
+
+The weights map one to one (no arithmetic but transposes and a split):
+
+GPT-2 (Conv1D weights are (in, out), as attngrad's)   attngrad (models/gpt2.py)
+    wte.weight, wpe.weight                            wte.W, wpe.W
+    h.{i}.ln_1.{weight,bias}                          h.{i}.ln1.{g,b}
+    h.{i}.attn.c_attn.weight (E, 3E) [q | k | v]      h.{i}.attn.W_q, W_k, W_v (and the bias: b_q, b_k, b_v)
+    h.{i}.attn.c_proj.{weight,bias}                   h.{i}.attn.{W_o,b_o}
+    h.{i}.ln_2.{weight,bias}                          h.{i}.ln2.{g,b}
+    h.{i}.mlp.c_fc.{weight,bias}, c_proj              h.{i}.ff1.{W,b}, h.{i}.ff2.{W,b}
+    ln_f.{weight,bias}; lm_head.weight when untied    ln_f.{g,b}; out.W = lm_head.weight^T
+
+Llama (nn.Linear weights are (out, in): transposed)   attngrad (models/llama.py)
+    model.embed_tokens.weight                         emb.W
+    model.layers.{i}.input_layernorm.weight           layers.{i}.attn_norm.g
+    model.layers.{i}.self_attn.{q,k,v,o}_proj.weight  layers.{i}.attn.W_{q,k,v,o} (transposed)
+    model.layers.{i}.post_attention_layernorm.weight  layers.{i}.ffn_norm.g
+    model.layers.{i}.mlp.{gate,up,down}_proj.weight   layers.{i}.ffn.W_{gate,up,down} (transposed)
+    model.norm.weight; lm_head.weight when untied     norm.g; out.W = lm_head.weight^T
+
+Hugging Face's Llama q_proj / k_proj rows are already in the rotate-half order of its RoPE,
+which is attngrad's ``rope_layout="half"``: no permutation.  Anything this module cannot
+reproduce exactly (another architecture, attention or MLP biases in Llama, RoPE scaling,
+exact-erf GELU, GPT-2's scaled or upcast attention variants, a tensor of the wrong shape, a
+missing file) is refused with a ValueError naming it.  Writing goes to a temporary folder
+beside the destination, renamed into place once complete: never a half-written directory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from . import gpt2, llama
+from .gpt2 import GPT2Config
+from .llama import LlamaConfig
+
+KINDS = ("gpt2", "llama")
+ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
+_GPT2_BUFFERS = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers of old GPT-2 files
+_GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")
+
+
+def _safetensors():
+    try:
+        import safetensors.numpy as st
+    except ImportError:
+        raise ImportError("Hugging Face directories need the safetensors package: "
+                          "pip install 'attngrad[hf]'") from None
+    return st
+
+
+# ---------------------------------------------------------------- reading
+
+
+def _read_config(path: Path) -> dict:
+    if not path.exists():
+        raise ValueError(f"{path}: no such folder; expected a Hugging Face model directory "
+                         "(config.json + model.safetensors)")
+    if not path.is_dir():
+        raise ValueError(f"{path} is not a folder; expected a Hugging Face model directory "
+                         "(config.json + model.safetensors)")
+    f = path / "config.json"
+    if not f.is_file():
+        raise ValueError(f"{f}: missing; a Hugging Face model directory has config.json beside "
+                         "model.safetensors")
+    try:
+        cfg = json.loads(f.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{f}: not readable JSON ({exc})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{f}: expected a JSON object; got {type(cfg).__name__}")
+    return cfg
+
+
+def _read_tensors(path: Path) -> dict:
+    """name -> ndarray from model.safetensors, or from the shards of its index."""
+    st = _safetensors()
+    single, index = path / "model.safetensors", path / "model.safetensors.index.json"
+    if single.is_file():
+        files = [single]
+    elif index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ValueError(f"{index}: not a safetensors index ({exc!r})") from None
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise ValueError(f"{f}: missing (listed in {index.name})")
+    else:
+        extra = (" (pytorch_model.bin is a pickle, which attngrad does not read: convert it with "
+                 "transformers' save_pretrained(..., safe_serialization=True))"
+                 if (path / "pytorch_model.bin").exists() else "")
+        raise ValueError(f"{single}: missing; expected the weights in safetensors format{extra}")
+    tensors = {}
+    for f in files:
+        try:
+            tensors.update(st.load_file(str(f)))
+        except Exception as exc:  # the package's own error types: a corrupt or unsupported file
+            raise ValueError(f"{f}: cannot read it as safetensors with NumPy ({_one_line(exc)}); "
+                             "bfloat16 weights have no NumPy dtype: save them as float32 first") from None
+    return tensors
+
+
+def _one_line(exc) -> str:
+    return " ".join(str(exc).split())
+
+
+def _get(cfg: dict, source: Path, key: str, default=None, *, kind=int):
+    v = cfg.get(key, default)
+    if v is None:
+        raise ValueError(f"{source / 'config.json'}: {key} is missing")
+    if kind is int and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+        raise ValueError(f"{source / 'config.json'}: {key} must be a positive integer; got {v!r}")
+    if kind is float and (isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v <= 0):
+        raise ValueError(f"{source / 'config.json'}: {key} must be a positive number; got {v!r}")
+    return v
+
+
+def _require(cfg: dict, source: Path, key: str, allowed, default) -> None:
+    v = cfg.get(key, default)
+    if v not in allowed:
+        raise ValueError(f"{source / 'config.json'}: {key}={v!r} is not supported (attngrad "
+                         f"reproduces {' or '.join(map(repr, allowed))} only)")
+
+
+def _kind(cfg: dict, source: Path) -> str:
+    mt = cfg.get("model_type")
+    if mt in KINDS:
+        return mt
+    arch = cfg.get("architectures") or []
+    raise ValueError(f"{source / 'config.json'}: model_type {mt!r} (architectures {arch}) is not "
+                     "GPT-2 or Llama; attngrad reads model_type 'gpt2' or 'llama' only")
+
+
+def _config_from_hf(cfg: dict, source: Path, dtype: str):
+    kind = _kind(cfg, source)
+    tie = cfg.get("tie_word_embeddings", True)
+    if not isinstance(tie, bool):
+        raise ValueError(f"{source / 'config.json'}: tie_word_embeddings must be true or false; got {tie!r}")
+    if kind == "gpt2":
+        _require(cfg, source, "activation_function", _GELU_TANH, "gelu_new")
+        _require(cfg, source, "scale_attn_weights", (True,), True)
+        _require(cfg, source, "scale_attn_by_inverse_layer_idx", (False,), False)
+        _require(cfg, source, "reorder_and_upcast_attn", (False,), False)
+        _require(cfg, source, "add_cross_attention", (False,), False)
+        e = _get(cfg, source, "n_embd")
+        inner = cfg.get("n_inner")
+        return kind, GPT2Config(
+            vocab=_get(cfg, source, "vocab_size"), dim=e, heads=_get(cfg, source, "n_head"),
+            ffn=4 * e if inner is None else _get(cfg, source, "n_inner"), layers=_get(cfg, source, "n_layer"),
+            positions=_get(cfg, source, "n_positions", 1024),
+            eps=float(_get(cfg, source, "layer_norm_epsilon", 1e-5, kind=float)), tie_embeddings=tie,
+            dtype=dtype)
+    _require(cfg, source, "hidden_act", ("silu",), "silu")
+    _require(cfg, source, "attention_bias", (False,), False)
+    _require(cfg, source, "mlp_bias", (False,), False)
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise ValueError(f"{source / 'config.json'}: rope_parameters must be an object; got {rope!r}")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"{source / 'config.json'}: rope_type {rope_type!r} (RoPE scaling) is not "
+                         "supported; attngrad reproduces the default RoPE only")
+    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    e, h = _get(cfg, source, "hidden_size"), _get(cfg, source, "num_attention_heads")
+    head_dim = cfg.get("head_dim")
+    if head_dim is not None and e % h == 0 and head_dim != e // h:
+        raise ValueError(f"{source / 'config.json'}: head_dim={head_dim} differs from "
+                         f"hidden_size / num_attention_heads = {e // h}; attngrad needs them equal")
+    kv = cfg.get("num_key_value_heads")
+    try:
+        mcfg = LlamaConfig(
+            vocab=_get(cfg, source, "vocab_size"), dim=e, heads=h,
+            kv_heads=None if kv is None else _get(cfg, source, "num_key_value_heads"),
+            ffn=_get(cfg, source, "intermediate_size"), layers=_get(cfg, source, "num_hidden_layers"),
+            tie_embeddings=tie, rope_base=float(theta),
+            eps=float(_get(cfg, source, "rms_norm_eps", 1e-6, kind=float)), dtype=dtype)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{source / 'config.json'}: {exc}") from None
+    return kind, mcfg
+
+
+def _hf_names(kind: str, mcfg) -> dict:
+    """attngrad name -> (HF tensor name, transform) where transform is "", "T" (transpose)
+    or ("split", part, of) (a column block of a fused matrix)."""
+    names = {}
+    if kind == "gpt2":
+        names["wte.W"] = ("wte.weight", "")
+        names["wpe.W"] = ("wpe.weight", "")
+        for i in range(mcfg.layers):
+            a, o = f"h.{i}.", f"h.{i}."
+            names[a + "ln1.g"], names[a + "ln1.b"] = (o + "ln_1.weight", ""), (o + "ln_1.bias", "")
+            for j, w in enumerate("qkv"):
+                names[a + f"attn.W_{w}"] = (o + "attn.c_attn.weight", ("split", j, 3))
+                names[a + f"attn.b_{w}"] = (o + "attn.c_attn.bias", ("split", j, 3))
+            names[a + "attn.W_o"], names[a + "attn.b_o"] = (o + "attn.c_proj.weight", ""), (o + "attn.c_proj.bias", "")
+            names[a + "ln2.g"], names[a + "ln2.b"] = (o + "ln_2.weight", ""), (o + "ln_2.bias", "")
+            names[a + "ff1.W"], names[a + "ff1.b"] = (o + "mlp.c_fc.weight", ""), (o + "mlp.c_fc.bias", "")
+            names[a + "ff2.W"], names[a + "ff2.b"] = (o + "mlp.c_proj.weight", ""), (o + "mlp.c_proj.bias", "")
+        names["ln_f.g"], names["ln_f.b"] = ("ln_f.weight", ""), ("ln_f.bias", "")
+        if not mcfg.tie_embeddings:
+            names["out.W"] = ("lm_head.weight", "T")
+        return names
+    names["emb.W"] = ("model.embed_tokens.weight", "")
+    for i in range(mcfg.layers):
+        a, o = f"layers.{i}.", f"model.layers.{i}."
+        names[a + "attn_norm.g"] = (o + "input_layernorm.weight", "")
+        for w in "qkvo":
+            names[a + f"attn.W_{w}"] = (o + f"self_attn.{w}_proj.weight", "T")
+        names[a + "ffn_norm.g"] = (o + "post_attention_layernorm.weight", "")
+        for w in ("gate", "up", "down"):
+            names[a + f"ffn.W_{w}"] = (o + f"mlp.{w}_proj.weight", "T")
+    names["norm.g"] = ("model.norm.weight", "")
+    if not mcfg.tie_embeddings:
+        names["out.W"] = ("lm_head.weight", "T")
+    return names
+
+
+def _canonical_gpt2(tensors: dict) -> dict:
+    """GPT2LMHeadModel files prefix the body with ``transformer.``; GPT2Model files do not."""
+    return {k[len("transformer."):] if k.startswith("transformer.") else k: v for k, v in tensors.items()}
+
+
+def params_from_hf(kind: str, mcfg, tensors: dict, source="the weights") -> dict:
+    """attngrad parameters (cast to ``mcfg.dtype``) from Hugging Face tensors, every name
+    and shape checked against the model ``mcfg`` describes (ValueError naming the tensor)."""
+    prefix = ""
+    if kind == "gpt2":
+        prefix = "transformer." if any(k.startswith("transformer.") for k in tensors) else ""
+        tensors = {k: v for k, v in _canonical_gpt2(tensors).items() if not k.endswith(_GPT2_BUFFERS)}
+
+    def label(hf):  # the name as the file spells it
+        return hf if hf == "lm_head.weight" else prefix + hf
+
+    expected = param_shapes(kind, mcfg)
+    names = _hf_names(kind, mcfg)
+    used = {hf for hf, _ in names.values()}
+    if kind == "gpt2" and mcfg.tie_embeddings:
+        used.add("lm_head.weight")  # tied: the file may hold a copy of wte
+    missing = sorted({hf for hf, _ in names.values()} - set(tensors))
+    if missing:
+        raise ValueError(f"{source}: tensor {label(missing[0])!r} is missing"
+                         + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+                         + f"; expected a {ARCHITECTURES[kind]} with the sizes of its config.json")
+    unexpected = sorted(set(tensors) - used - ({"lm_head.weight"} if kind == "llama" and mcfg.tie_embeddings else set()))
+    if unexpected:
+        raise ValueError(f"{source}: unexpected tensor {label(unexpected[0])!r}"
+                         + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
+                         + f"; not part of a {ARCHITECTURES[kind]} attngrad can reproduce")
+    out = {}
+    for name, (hf, how) in names.items():
+        t = np.asarray(tensors[hf])
+        if t.dtype.kind != "f":
+            raise ValueError(f"{source}: tensor {label(hf)!r} has dtype {t.dtype}; expected floating point")
+        want = expected[name]
+        if how == "T":
+            t = t.T
+        elif how:
+            _, j, n = how
+            axis = t.ndim - 1
+            full = (*want[:-1], n * want[-1])
+            if t.shape != full:
+                raise ValueError(f"{source}: tensor {label(hf)!r} has shape {tuple(t.shape)}; the config "
+                                 f"says {full}")
+            t = np.split(t, n, axis=axis)[j]
+        if tuple(t.shape) != tuple(want):
+            shown = tuple(t.shape[::-1]) if how == "T" else tuple(t.shape)
+            need = tuple(want[::-1]) if how == "T" else tuple(want)
+            raise ValueError(f"{source}: tensor {label(hf)!r} has shape {shown}; the config says {need}")
+        if not np.isfinite(t).all():
+            raise ValueError(f"{source}: tensor {label(hf)!r} holds NaN or infinite values")
+        out[name] = np.array(t, dtype=mcfg.dtype, order="C")
+    return out
+
+
+def param_shapes(kind: str, mcfg) -> dict:
+    """attngrad parameter name -> shape of the ``kind`` model ``mcfg`` (no arrays made)."""
+    e, f, v = mcfg.dim, mcfg.ffn, mcfg.vocab
+    shapes = {}
+    if kind == "gpt2":
+        shapes.update({"wte.W": (v, e), "wpe.W": (mcfg.positions, e), "ln_f.g": (e,), "ln_f.b": (e,)})
+        for i in range(mcfg.layers):
+            a = f"h.{i}."
+            for n in ("ln1.g", "ln1.b", "ln2.g", "ln2.b", "attn.b_q", "attn.b_k", "attn.b_v", "attn.b_o", "ff2.b"):
+                shapes[a + n] = (e,)
+            for w in "qkvo":
+                shapes[a + f"attn.W_{w}"] = (e, e)
+            shapes.update({a + "ff1.W": (e, f), a + "ff1.b": (f,), a + "ff2.W": (f, e)})
+    else:
+        d = e // mcfg.heads
+        q, kv = mcfg.heads * d, mcfg.num_kv_heads * d
+        shapes.update({"emb.W": (v, e), "norm.g": (e,)})
+        for i in range(mcfg.layers):
+            a = f"layers.{i}."
+            shapes.update({a + "attn_norm.g": (e,), a + "ffn_norm.g": (e,), a + "attn.W_q": (e, q),
+                           a + "attn.W_k": (e, kv), a + "attn.W_v": (e, kv), a + "attn.W_o": (q, e),
+                           a + "ffn.W_gate": (e, f), a + "ffn.W_up": (e, f), a + "ffn.W_down": (f, e)})
+            if mcfg.qk_norm is not None:
+                shapes.update({a + "attn.q_norm_w": (d,), a + "attn.k_norm_w": (d,)})
+    if not mcfg.tie_embeddings:
+        shapes["out.W"] = (e, v)
+    return shapes
+
+
+# ---------------------------------------------------------------- the model object
+
+
+@dataclass
+class PretrainedModel:
+    """A GPT-2 or Llama model read from (or to be written as) a Hugging Face directory.
+
+    ``kind``: "gpt2" or "llama"; ``config``: :class:`~attngrad.models.gpt2.GPT2Config` or
+    :class:`~attngrad.models.llama.LlamaConfig`; ``params``: attngrad's parameters (the
+    names of :func:`attngrad.models.gpt2.init` / :func:`attngrad.models.llama.init`);
+    ``source``: the folder read, or None."""
+
+    kind: str
+    config: object
+    params: dict
+    source: Path | None = None
+
+    @property
+    def module(self):
+        return gpt2 if self.kind == "gpt2" else llama
+
+    def forward(self, ids):
+        """ids (B, L) -> (logits (B, L, V), cache for :meth:`backward`)."""
+        return self.module.forward(self.params, self.config, ids)
+
+    def backward(self, dlogits, cache) -> dict:
+        """The closed-form gradient of every parameter, given dlogits (B, L, V)."""
+        return self.module.backward(dlogits, cache)
+
+    def logits(self, ids) -> np.ndarray:
+        """ids (B, L) or (L,) integer token ids -> logits (B, L, V) (or (L, V))."""
+        ids = np.asarray(ids)
+        if ids.dtype.kind not in "iu":
+            raise TypeError(f"ids must hold integer token ids; got dtype {ids.dtype}")
+        if ids.ndim == 1:
+            return self.module.forward(self.params, self.config, ids[None])[0][0]
+        return self.module.forward(self.params, self.config, ids)[0]
+
+    def save_pretrained(self, out, *, dtype: str = "float32", extra_files=()) -> Path:
+        """Write this model as a Hugging Face directory (see :func:`save_pretrained`)."""
+        return save_pretrained(out, self.kind, self.config, self.params, dtype=dtype, extra_files=extra_files)
+
+
+def load_pretrained(path, *, dtype: str = "float64") -> PretrainedModel:
+    """A Hugging Face GPT-2 or Llama directory (``config.json`` + ``model.safetensors``)
+    as an attngrad model whose ``.logits(ids)`` are transformers' logits for the same
+    weights.  ``dtype``: "float64" (default) or "float32", the parameters' dtype.
+    ValueError naming the file, option or tensor for anything it cannot reproduce."""
+    if dtype not in ("float32", "float64"):
+        raise ValueError(f"dtype must be 'float32' or 'float64'; got {dtype!r}")
+    source = Path(path)
+    hf = _read_config(source)
+    kind, mcfg = _config_from_hf(hf, source, dtype)
+    tensors = _read_tensors(source)
+    params = params_from_hf(kind, mcfg, tensors, source=str(source))
+    return PretrainedModel(kind, mcfg, params, source)
+
+
+# ---------------------------------------------------------------- writing
+
+
+def hf_config(kind: str, mcfg, dtype: str = "float32") -> dict:
+    """The config.json of ``mcfg`` for transformers (GPT2LMHeadModel / LlamaForCausalLM)."""
+    if kind == "gpt2":
+        p = float(mcfg.dropout)
+        return {
+            "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": mcfg.vocab,
+            "n_positions": mcfg.positions, "n_embd": mcfg.dim, "n_layer": mcfg.layers, "n_head": mcfg.heads,
+            "n_inner": mcfg.ffn, "activation_function": "gelu_new", "layer_norm_epsilon": float(mcfg.eps),
+            "resid_pdrop": p, "embd_pdrop": p, "attn_pdrop": 0.0, "scale_attn_weights": True,
+            "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
+            "tie_word_embeddings": mcfg.tie_embeddings, "bos_token_id": None, "eos_token_id": None,
+            "pad_token_id": None, "dtype": dtype,
+        }
+    if kind != "llama":
+        raise ValueError(f"kind must be one of {list(KINDS)}; got {kind!r}")
+    if mcfg.qk_norm is not None:
+        raise ValueError(f"qk_norm={mcfg.qk_norm!r}: LlamaForCausalLM has no QK-norm; only a Llama "
+                         "model without --qk-norm can be written for transformers")
+    if mcfg.rope_layout != "half":
+        raise ValueError(f"rope_layout={mcfg.rope_layout!r}: LlamaForCausalLM's RoPE is the 'half' layout")
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": mcfg.vocab,
+        "hidden_size": mcfg.dim, "intermediate_size": mcfg.ffn, "num_hidden_layers": mcfg.layers,
+        "num_attention_heads": mcfg.heads, "num_key_value_heads": mcfg.num_kv_heads,
+        "head_dim": mcfg.dim // mcfg.heads, "hidden_act": "silu", "rms_norm_eps": float(mcfg.eps),
+        "rope_theta": float(mcfg.rope_base),
+        "rope_parameters": {"rope_type": "default", "rope_theta": float(mcfg.rope_base)},
+        "max_position_embeddings": 2048, "attention_bias": False, "mlp_bias": False,
+        "tie_word_embeddings": mcfg.tie_embeddings, "bos_token_id": None, "eos_token_id": None,
+        "pad_token_id": None, "dtype": dtype,
+    }
+
+
+def hf_tensors(kind: str, mcfg, params: dict, dtype: str = "float32") -> dict:
+    """Hugging Face tensor name -> contiguous ndarray of ``dtype`` (the inverse of
+    :func:`params_from_hf`; tied output weights are not written, as transformers does)."""
+    names = _hf_names(kind, mcfg)
+    shapes = param_shapes(kind, mcfg)
+    if set(params) != set(shapes):
+        missing, extra = sorted(set(shapes) - set(params)), sorted(set(params) - set(shapes))
+        raise ValueError(f"params do not match the {kind} model: missing {missing[:5]}, unexpected {extra[:5]}")
+    for name, shape in shapes.items():
+        if tuple(np.shape(params[name])) != shape:
+            raise ValueError(f"params[{name!r}] has shape {tuple(np.shape(params[name]))}; the model needs {shape}")
+    out, fused = {}, {}
+    for name, (hf, how) in names.items():
+        a = np.asarray(params[name])
+        if how == "T":
+            out[hf] = a.T
+        elif how:
+            fused.setdefault(hf, [None] * how[2])[how[1]] = a
+        else:
+            out[hf] = a
+    for hf, parts in fused.items():
+        out[hf] = np.concatenate(parts, axis=-1)
+    prefix = "transformer." if kind == "gpt2" else ""
+    return {(prefix + k if kind == "gpt2" and k != "lm_head.weight" else k): np.ascontiguousarray(v, dtype=dtype)
+            for k, v in out.items()}
+
+
+def save_pretrained(out, kind: str, config, params: dict, *, dtype: str = "float32",
+                    extra_files=()) -> Path:
+    """Write a Hugging Face directory transformers loads with ``from_pretrained``
+    (GPT2LMHeadModel for "gpt2", LlamaForCausalLM for "llama"): config.json and
+    model.safetensors (``dtype`` float32 or float64), plus ``extra_files`` (paths copied
+    in, e.g. a tokenizer.json).  ``out`` must not exist or be an empty folder; the files
+    are written to a temporary folder beside it and renamed into place when complete."""
+    if dtype not in ("float32", "float64"):
+        raise ValueError(f"dtype must be 'float32' or 'float64'; got {dtype!r}")
+    st = _safetensors()
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"{out} exists and is not an empty folder; choose a new output folder")
+    cfg = hf_config(kind, config, dtype)
+    tensors = hf_tensors(kind, config, params, dtype)
+    for k, v in tensors.items():
+        if not np.isfinite(v).all():
+            raise ValueError(f"parameter for {k!r} holds NaN or infinite values (in {dtype})")
+    parent = out.parent if str(out.parent) else Path(".")
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=parent))
+    try:
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        st.save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        for f in extra_files:
+            shutil.copyfile(f, tmp / Path(f).name)
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        if out.exists():
+            out.rmdir()  # empty (checked above)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
