@@ -79,7 +79,7 @@ def main() -> None:
     dims = (args.layers, args.hidden, args.heads, args.window)
     print(f"load average before: {os.getloadavg()}")
     models = {impl: _model(impl, *dims) for impl in ("attngrad", "eager")}
-    for impl, (model, opt) in models.items():  # warm-up
+    for model, opt in models.values():  # warm-up
         _step(model, opt, min(args.context, 256))
     times, ratios = {"attngrad": [], "eager": []}, []
     for r in range(args.rounds):

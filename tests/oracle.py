@@ -383,3 +383,200 @@ def torch_mha(leaves: dict, x, key, value, *, num_heads: int, num_kv_heads: int,
     if "b_o" in leaves:
         y = y + leaves["b_o"]
     return y
+
+
+# ------------------------------------------------------- top-k (index) sparse attention
+
+
+def topk(q, k, v, dout, kv_indices, dtype=None, dlse=None, **options) -> dict:
+    """Output and autograd gradients of sum(out * dout) for top-k sparse attention by
+    gathering: query i of head h attends the K slots idx[b, h // G, i, :] (idx (B, Hkv|1,
+    Lq, K); -1 = an empty slot), each slot one softmax term (a repeated key counts twice;
+    torch's indexing backward sums both slots' gradients).  A slot is empty too where the
+    mask rules of ``allowed_structure`` forbid (i, j_s); bias and dropout's keep mask are
+    the dense ones at (i, j_s); ALiBi uses |pos(i) - j_s|.  Keys as :func:`sdpa` names them,
+    plus "lse" (B, H, Lq); ``dlse`` (B, H, Lq): the loss adds sum(lse * dlse) over finite lse.
+    """
+    import torch
+
+    dtype = torch.float64 if dtype is None else dtype
+    options = {n: a for n, a in options.items() if n not in _PATH_ONLY}
+    unknown = set(options) - {*_STRUCTURE, "bias", "scale", "softcap", "sinks", "alibi_slopes",
+                              "dropout_p", "dropout_seed", "scale_grad"}
+    if unknown:
+        raise TypeError(f"oracle.topk: unknown options {sorted(unknown)}")
+    B, H, Lq, D = np.shape(q)
+    Hkv, Lk = np.shape(k)[1], np.shape(k)[2]
+    G = H // Hkv
+    causal = options.get("causal") or None
+    allowed = torch.as_tensor(allowed_structure(B, H, Lq, Lk, **{n: options.get(n) for n in _STRUCTURE}))
+    idx = torch.as_tensor(np.asarray(kv_indices, dtype=np.int64))
+    heads = torch.arange(H) // G if idx.shape[1] > 1 else torch.zeros(H, dtype=torch.int64)
+    idx = idx[:, heads]  # (B, H, Lq, K): each query head's own list
+    safe = torch.where(idx >= 0, idx, Lk)  # an empty slot reads an appended zero key (index Lk)
+    leaves = {"q": q, "k": k, "v": v, "bias": options.get("bias"), "slopes": options.get("alibi_slopes"),
+              "sinks": options.get("sinks"), "scale": _default_scale(D, options.get("scale"))}
+    learn = [n for n in ("q", "k", "v", "bias", "slopes", "sinks") if leaves[n] is not None]
+    learn += ["scale"] if options.get("scale_grad") else []
+    t = {n: torch.tensor(np.asarray(a, dtype=np.float64), dtype=dtype, requires_grad=n in learn)
+         for n, a in leaves.items() if a is not None}
+    bI = torch.arange(B).reshape(B, 1, 1, 1)
+    hI = torch.arange(H).reshape(1, H, 1, 1)
+    iI = torch.arange(Lq).reshape(1, 1, Lq, 1)
+    def pad(a):  # (B, H, Lk, ...) -> (B, H, Lk + 1, ...), the appended row zero
+        return torch.cat([a, torch.zeros((*a.shape[:2], 1, *a.shape[3:]), dtype=a.dtype)], dim=2)
+
+    kh = pad(t["k"].repeat_interleave(G, dim=1))  # (B, H, Lk + 1, D)
+    vh = pad(t["v"].repeat_interleave(G, dim=1))
+    kg = kh[bI, hI, safe]  # (B, H, Lq, K, D) gathered: slot s holds key j_s
+    vg = vh[bI, hI, safe]
+    s = t["scale"] * torch.einsum("bhid,bhikd->bhik", t["q"], kg)
+    softcap = options.get("softcap")
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    if "bias" in t:
+        bias = t["bias"].reshape((1,) * (4 - t["bias"].dim()) + tuple(t["bias"].shape)).expand(B, H, Lq, Lk)
+        s = s + torch.cat([bias, torch.zeros(B, H, Lq, 1, dtype=dtype)], dim=3)[bI, hI, iI, safe]
+    if "slopes" in t:
+        pos = torch.arange(Lq).reshape(1, 1, Lq, 1) + query_offset(Lq, Lk, causal)
+        s = s - t["slopes"].reshape(-1, H, 1, 1) * (pos - safe).abs().to(dtype)
+    valid = torch.cat([allowed, torch.zeros(B, H, Lq, 1, dtype=torch.bool)], dim=3)[bI, hI, iI, safe]
+    s = s.masked_fill(~valid, float("-inf"))
+    if "sinks" in t:
+        s = torch.cat([t["sinks"].reshape(1, H, 1, 1).expand(B, H, Lq, 1), s], dim=-1)
+    mx = s.max(dim=-1, keepdim=True).values if s.shape[-1] else s.sum(-1, keepdim=True)
+    mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx)).detach()
+    e = torch.exp(s - mx)
+    z = e.sum(dim=-1, keepdim=True)
+    lse = torch.where(z > 0, mx + torch.log(torch.where(z > 0, z, torch.ones_like(z))),
+                      torch.full_like(z, float("-inf")))[..., 0]
+    p = e / torch.where(z > 0, z, torch.ones_like(z))
+    p = p[..., 1:] if "sinks" in t else p
+    rate = float(options.get("dropout_p", 0.0))
+    if rate > 0.0:
+        keep = torch.as_tensor(keep_mask(options["dropout_seed"], (B, H, Lq, Lk + 1), rate))[bI, hI, iI, safe]
+        p = p * keep.to(dtype) / (1.0 - rate)
+    out = torch.einsum("bhik,bhikd->bhid", p, vg)  # (B, H, Lq, Dv)
+    loss = (out * torch.as_tensor(np.asarray(dout, dtype=np.float64), dtype=dtype)).sum()
+    if dlse is not None:
+        finite = torch.isfinite(lse)
+        loss = loss + (torch.where(finite, lse, torch.zeros_like(lse)) * torch.as_tensor(np.asarray(dlse), dtype=dtype)).sum()
+    loss.backward()
+    res = {"out": out.detach().double().numpy(), "lse": lse.detach().double().numpy()}
+    for n in learn:
+        g = t[n].grad
+        res[n] = g.double().numpy() if g is not None else np.zeros(np.shape(leaves[n]))
+    if "slopes" in res:
+        res["alibi_slopes"] = res.pop("slopes")
+    return res
+
+
+# ------------------------------------------------ the log-sum-exp and varlen batches
+
+
+def logsumexp_rows(q, k, allowed, *, scale, softcap=None, bias=None, slopes=None, sinks=None, offset=0):
+    """lse (B, H, Lq) in torch: torch.logsumexp over [sink, allowed S_i]; -inf for a row
+    with nothing (no key, no sink), whose value depends on no input (gradient 0 there)."""
+    import torch
+
+    b, h, lq, _ = q.shape
+    lk = k.shape[2]
+    g = h // k.shape[1] if k.shape[1] else 1
+    k = k.repeat_interleave(g, dim=1)
+    s = scale * (q @ k.transpose(-1, -2))
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    if bias is not None:
+        s = s + bias
+    if slopes is not None:
+        i = torch.arange(lq, dtype=q.dtype).reshape(lq, 1) + offset
+        j = torch.arange(lk, dtype=q.dtype).reshape(1, lk)
+        s = s - slopes.reshape(-1, h, 1, 1) * (i - j).abs()
+    allowed = _tensor(allowed)
+    s = s.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        s = torch.cat([sinks.reshape(1, h, 1, 1).expand(b, h, lq, 1), s], dim=-1)
+        return torch.logsumexp(s, dim=-1)
+    empty = ~allowed.any(dim=-1)  # (B, H, Lq)
+    safe = s.masked_fill(empty[..., None], 0.0)  # a finite row where nothing is allowed
+    lse = torch.logsumexp(safe, dim=-1) if lk else safe.sum(-1)
+    return lse.masked_fill(empty, float("-inf"))
+
+
+def sdpa_lse(q, k, v, dout, dlse, **options) -> dict:
+    """Output, lse and the autograd gradients of sum(out * dout) + sum(lse * dlse) (terms
+    of rows with lse = -inf left out) for ``sdpa_forward(q, k, v, **options)``; ``dout``
+    may be None (no output term).  Keys as :func:`sdpa`, plus "lse"."""
+    import torch
+
+    options = {n: a for n, a in options.items() if n not in _PATH_ONLY}
+    B, H, Lq, D = np.shape(q)
+    Lk = np.shape(k)[2]
+    causal = options.get("causal") or None
+    allowed = allowed_structure(B, H, Lq, Lk, **{n: options.get(n) for n in _STRUCTURE})
+    inputs = {"q": q, "k": k, "v": v, "bias": options.get("bias"), "slopes": options.get("alibi_slopes"),
+              "sinks": options.get("sinks"), "scale": _default_scale(D, options.get("scale"))}
+    learn = [n for n in ("q", "k", "v", "bias", "slopes", "sinks") if inputs[n] is not None]
+    learn += ["scale"] if options.get("scale_grad") else []
+    offset = query_offset(Lq, Lk, causal)
+    rate = float(options.get("dropout_p", 0.0))
+    keep = keep_mask(options["dropout_seed"], (B, H, Lq, Lk), rate) if rate > 0.0 else None
+    t = {n: torch.tensor(np.asarray(a, dtype=np.float64), dtype=torch.float64, requires_grad=n in learn)
+         for n, a in inputs.items() if a is not None}
+    common = {"scale": t["scale"], "softcap": options.get("softcap"), "bias": t.get("bias"),
+              "slopes": t.get("slopes"), "sinks": t.get("sinks"), "offset": offset}
+    out = attention(t["q"], t["k"], t["v"], allowed, keep=keep, p=rate, **common)
+    lse = logsumexp_rows(t["q"], t["k"], allowed, **common)
+    g = torch.as_tensor(np.asarray(dlse, dtype=np.float64))
+    loss = torch.where(torch.isfinite(lse), lse * g, torch.zeros_like(lse)).sum()
+    if dout is not None:
+        loss = loss + (out * torch.as_tensor(np.asarray(dout, dtype=np.float64))).sum()
+    if any(t[n].requires_grad for n in learn):
+        loss.backward()
+    res = {"out": out.detach().numpy(), "lse": lse.detach().numpy()}
+    for n in learn:
+        grad = t[n].grad
+        res["alibi_slopes" if n == "slopes" else n] = grad.numpy() if grad is not None else np.zeros(np.shape(inputs[n]))
+    return res
+
+
+VARLEN_SEED_STEP = 0x9E3779B97F4A7C15  # the documented per-sequence dropout seed step
+
+
+def varlen(q, k, v, cu_q, cu_k, dout, **options) -> dict:
+    """A varlen batch, one sequence at a time through :func:`sdpa` on (1, H, L_b, D) slices:
+    causal bottom-right per sequence (``causal=True``), sequence b's dropout seed
+    (seed + b * VARLEN_SEED_STEP) mod 2^64, slopes (H,) or (B, H).  Rows past the last
+    sequence: output 0, gradient 0.  Returns "out", "q", "k", "v" and the per-head
+    gradients summed over the sequences (slopes of shape (B, H): each sequence's row)."""
+    q, k, v, dout = (np.asarray(a, dtype=np.float64) for a in (q, k, v, dout))
+    cu_q, cu_k = (np.asarray(c, dtype=np.int64) for c in (cu_q, cu_k))
+    res = {"out": np.zeros((q.shape[0], q.shape[1], v.shape[2])), "q": np.zeros(q.shape),
+           "k": np.zeros(k.shape), "v": np.zeros(v.shape)}
+    slopes = options.pop("alibi_slopes", None)
+    seed = options.pop("dropout_seed", None)
+    if options.get("causal") is True:
+        options["causal"] = "bottom_right"
+    rows = []
+    for b in range(len(cu_q) - 1):
+        q0, q1, k0, k1 = cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]
+        opts = dict(options)
+        if slopes is not None:
+            opts["alibi_slopes"] = np.asarray(slopes)[b] if np.ndim(slopes) == 2 else slopes
+        if seed is not None:
+            opts["dropout_seed"] = (seed + b * VARLEN_SEED_STEP) % 2**64
+        part = (lambda a, r0, r1: a[r0:r1].transpose(1, 0, 2)[None])
+        r = sdpa(part(q, q0, q1), part(k, k0, k1), part(v, k0, k1), part(dout, q0, q1), **opts)
+        res["out"][q0:q1] = r["out"][0].transpose(1, 0, 2)
+        res["q"][q0:q1] = r["q"][0].transpose(1, 0, 2)
+        res["k"][k0:k1] = r["k"][0].transpose(1, 0, 2)
+        res["v"][k0:k1] = r["v"][0].transpose(1, 0, 2)
+        for n in ("sinks", "alibi_slopes", "scale"):
+            if n in r:
+                if n == "alibi_slopes" and np.ndim(slopes) == 2:
+                    rows.append(r[n])
+                else:
+                    res[n] = res.get(n, 0.0) + r[n]
+    if rows or (slopes is not None and np.ndim(slopes) == 2):
+        res["alibi_slopes"] = np.stack(rows) if rows else np.zeros((0, np.shape(slopes)[1]))
+    return res

@@ -88,7 +88,8 @@ def test_protocols_are_detected():
     assert conform(flash_func, cases=TINY[:1]).protocol == "flash"
 
 
-@pytest.mark.parametrize("mutant", MUTANTS)
+# dv_fp16_accum shows only at long half-precision sequences: tests/test_conform_adoption.py
+@pytest.mark.parametrize("mutant", [m for m in MUTANTS if m in EXPECTED])
 def test_each_mutant_is_caught_with_the_failing_feature_named(mutant):
     families, verdict, word = EXPECTED[mutant]
     if mutant == "dropout_regen" and reference_lacks(Case("x", dropout=0.1)):

@@ -84,6 +84,27 @@ def test_cli_exclude_strict_and_the_summary_line(capsys, tmp_path):
     one_line_exit_2(["torch.sdpa", "--exclude", "warp_drive"], capsys, "warp_drive")
 
 
+def test_junit_and_json_keep_fragile_apart(capsys, tmp_path):
+    from xml.etree import ElementTree as ET
+
+    ids = _write(tmp_path, [NAN_CASE.id, SHAPES.id])
+    junit = tmp_path / "c.xml"
+    code, out, _ = run_cli([f"{MUTANT_FILE}:torch_sdpa", "--cases", ids, "--junit", str(junit), "--json"], capsys)
+    doc = json.loads(out)
+    assert code == 0 and doc["fragile_families"] == ["nan_keys"] and doc["counts"]["fragile"] == 1
+    root = ET.parse(junit).getroot()
+    assert root.get("failures") == "0"
+    case = next(c for c in root.iter("testcase") if c.get("name") == NAN_CASE.id)
+    assert case.find("failure") is None and "--repro" in case.find("system-out").text
+    run_cli([f"{MUTANT_FILE}:torch_sdpa", "--cases", ids, "--junit", str(junit), "--strict"], capsys)
+    assert ET.parse(junit).getroot().get("failures") == "1"
+
+
+def test_cli_needs_a_target_and_o_needs_matrix(capsys, tmp_path):
+    one_line_exit_2([], capsys, "TARGET")
+    one_line_exit_2(["torch.naive", "-o", str(tmp_path / "x.md")], capsys, "--matrix")
+
+
 def test_summary_names_the_families_skipped_in():
     report = conform(flash_func, cases=[SHAPES, Case("mask", b=2, lq=5, lk=9, d=8, dv=8, mask="random")])
     assert "skipped in: mask" in format_report(report)

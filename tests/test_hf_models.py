@@ -8,13 +8,16 @@ parameter's gradient (the sinks included) must agree to rel 1e-9.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-import attngrad.transformers as agt  # noqa: E402
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # noqa: E402
+
+import attngrad.transformers as agt  # noqa: E402
 
 REL = 1e-9
 REF = "f64_eager_test"
@@ -93,6 +96,9 @@ MODELS = {"gpt_oss_sinks_window": gpt_oss, "gemma2_softcap_window": gemma2, "lla
 
 def build(cfg, cls, impl: str, state=None):
     torch.manual_seed(0)
+    # a config of its own: _from_config sets the implementation on the config object, so two
+    # models built from one config would both run the last one's attention
+    cfg = copy.deepcopy(cfg)
     # experts_implementation="eager": torch's grouped matmul (gpt-oss's default) has no float64
     model = cls._from_config(cfg, attn_implementation=impl, experts_implementation="eager", torch_dtype=torch.float64)
     model = model.double()
@@ -159,7 +165,7 @@ def test_refuses_what_it_cannot_honour_naming_it():
     q = torch.randn(1, 2, 3, 4, dtype=torch.float64)
     with pytest.raises(ValueError, match="output_attentions"):
         attention_forward(torch.nn.Module(), q, q, q, None, scaling=0.5, output_attentions=True)
-    with pytest.raises(ValueError, match="cu_seq_lens_q"):
+    with pytest.raises(ValueError, match="cu_seq_lens_k"):
         attention_forward(torch.nn.Module(), q, q, q, None, cu_seq_lens_q=torch.tensor([0, 3]))
     with pytest.raises(ValueError, match="mystery"):
         attention_forward(torch.nn.Module(), q, q, q, None, mystery=1)
@@ -173,3 +179,53 @@ def test_register_returns_the_name_and_refuses_a_bad_one():
     assert "attngrad" in AttentionMaskInterface._global_mapping
     with pytest.raises(TypeError, match="name"):
         agt.register("")
+
+
+@pytest.mark.parametrize("name", ["gpt_oss_sinks_window", "llama_gqa_left_padding"])
+def test_packed_sequences_take_the_varlen_path_and_equal_separate_runs(name):
+    """A padding-free batch (cu_seq_lens_q/k, max_length_q/k, position_ids restarting per
+    sequence) equals each sequence run alone through the float64 eager reference: logits
+    and every gradient."""
+    cfg, cls, _ = MODELS[name]()
+    ours = build(cfg, cls, "attngrad")
+    ref = build(cfg, cls, REF, state=ours.state_dict())
+    lengths = [4, 1, 6]
+    ids = torch.randint(0, cfg.vocab_size, (1, sum(lengths)), generator=torch.Generator().manual_seed(2))
+    cu = torch.tensor([0, 4, 5, 11], dtype=torch.int32)
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    w = torch.randn(1, sum(lengths), cfg.vocab_size, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    ours.zero_grad()
+    logits = ours(input_ids=ids, position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=6,
+                  max_length_k=6).logits
+    (logits * w).sum().backward()
+    grads = {n: p.grad.detach().clone() for n, p in ours.named_parameters() if p.grad is not None}
+    ref.zero_grad()
+    parts = []
+    for b, n in enumerate(lengths):
+        sl = slice(int(cu[b]), int(cu[b + 1]))
+        out = ref(input_ids=ids[:, sl]).logits
+        (out * w[:, sl]).sum().backward()
+        parts.append(out.detach())
+    want = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    assert rel(logits.detach(), torch.cat(parts, dim=1)) <= REL
+    assert set(grads) == set(want)
+    for n in want:
+        assert rel(grads[n], want[n]) <= REL, n
+
+
+def test_packed_sequences_with_a_disagreeing_mask_are_refused():
+    from attngrad.transformers import attention_forward
+
+    q = torch.randn(1, 2, 5, 4, dtype=torch.float64)
+    cu = torch.tensor([0, 2, 5])
+    causal = torch.ones(5, 5, dtype=torch.bool).tril()[None, None]  # across the sequences too: cut by cu
+    block = causal.clone()
+    block[..., 2:, :2] = False  # exactly the packed rule
+    want, _ = attention_forward(torch.nn.Module(), q, q, q, block, scaling=0.5)
+    for mask in (causal, block, None):
+        out, _ = attention_forward(torch.nn.Module(), q, q, q, mask, scaling=0.5, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+        assert out.shape == (1, 5, 2, 4) and rel(out, want) <= 1e-12
+    padded = block.clone()
+    padded[..., 3] = False  # a key inside a sequence forbidden: not the packed rule
+    with pytest.raises(ValueError, match="cu_seq_lens_q"):
+        attention_forward(torch.nn.Module(), q, q, q, padded, cu_seq_lens_q=cu, cu_seq_lens_k=cu)

@@ -82,7 +82,7 @@ def test_run_folder_has_curve_checkpoint_and_report(run):
     assert cfg["model"] == "decoder" and cfg["context"] == 16 and cfg["data"].endswith("words.txt")
     assert (out / "report.html").exists()
     assert sorted(p.name for p in (out / "attention").glob("step-*.npz")) == [
-        "step-00000050.npz", "step-00000100.npz", "step-00000150.npz"]
+        "step-00000000.npz", "step-00000050.npz", "step-00000100.npz", "step-00000150.npz"]
     pytest.importorskip("matplotlib")
     assert (out / "loss_curve.png").stat().st_size > 1000
 

@@ -6,6 +6,7 @@ from .core import (
     MaskSpec,
     SDPACache,
     TiledCache,
+    attention_lse,
     attention_weights,
     dropout_mask,
     make_mask_spec,
@@ -13,6 +14,8 @@ from .core import (
     sdpa,
     sdpa_backward,
     sdpa_forward,
+    sdpa_varlen_backward,
+    sdpa_varlen_forward,
 )
 from .core.rope import RoPE, RoPECache, rope_backward, rope_forward
 from .layers import (
@@ -32,6 +35,7 @@ __all__ = [
     "SDPACache",
     "TiledCache",
     "__version__",
+    "attention_lse",
     "attention_weights",
     "conform",
     "dropout_mask",
@@ -47,4 +51,6 @@ __all__ = [
     "sdpa",
     "sdpa_backward",
     "sdpa_forward",
+    "sdpa_varlen_backward",
+    "sdpa_varlen_forward",
 ]

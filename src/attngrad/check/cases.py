@@ -14,7 +14,13 @@ import numpy as np
 
 from ..core.dropout import dropout_mask
 from ..core.masks import CAUSAL_ALIGNMENTS
-from ..core.variants import VARIANTS  # (V1-V7), each switched on by name (`check --variant`)
+from ..core.sdpa import sdpa_forward
+from ..core.variants import (  # (V1-V7), top-k, lse, gate: each switched on by name (`check --variant`)
+    ALL_VARIANTS,
+    LAYER_ONLY_VARIANTS,
+    SDPA_ONLY_VARIANTS,
+    VARIANTS,
+)
 from ..layers.mha import init_mha_params, mha_forward
 
 FLAVORS = ("self", "cross", "causal")
@@ -27,6 +33,8 @@ SOFTCAP = 1.0  # c of (V1): small enough that tanh bends the logits of the small
 WINDOW = (2, 1)  # (left, right) of (V5)
 DROPOUT_P = 0.3  # (V3)
 SEGMENTS = 3  # packed documents per row (V6): ids drawn in 0 .. SEGMENTS-1, sorted
+GATE_BY_FLAVOR = {"self": "headwise", "cross": "elementwise", "causal": "headwise"}  # (GA1-GA5)
+SDPA_SUFFIX = " (sdpa)"  # the label of a flavor's sdpa-level case (top-k, lse): "self (sdpa)"
 
 FLAVOR_TITLES = {
     "self": "encoder self-attention  f(X)",
@@ -95,8 +103,8 @@ class CheckConfig:
                 f"{self.width // self.heads} must be even"
             )
         for name in self.variants:
-            if name not in VARIANTS:
-                raise ValueError(f"variant must be some of {', '.join(VARIANTS)} or all; got {name!r}")
+            if name not in ALL_VARIANTS:
+                raise ValueError(f"variant must be some of {', '.join(ALL_VARIANTS)} or all; got {name!r}")
         if len(set(self.variants)) != len(self.variants):
             raise ValueError(f"variants must not repeat; got {', '.join(self.variants)}")
         self._refuse_what_cannot_apply()
@@ -104,6 +112,13 @@ class CheckConfig:
     def _refuse_what_cannot_apply(self) -> None:
         """An option given for a run it cannot affect is an error, not silently ignored."""
         flavors = ", ".join(self.flavors)
+        if not self.layer_case:
+            for name, on in (("rope", self.rope), ("qk_norm", self.qk_norm)):
+                if on:
+                    raise ValueError(
+                        f"{name} is an option of the layer (mha_forward); variants "
+                        f"{', '.join(self.variants)} are checked through sdpa_forward on q, k, v only"
+                    )
         if self.lk is not None and "cross" not in self.flavors:
             raise ValueError(
                 f"lk={self.lk} cannot apply to flavor {flavors}: only cross-attention has a key "
@@ -119,6 +134,21 @@ class CheckConfig:
                     f"causal and lk != lq; here flavor {flavors}, masks {', '.join(self.masks) or 'none'}, "
                     f"lq={self.lq}, lk={self.key_length}"
                 )
+
+    @property
+    def sdpa_case(self) -> bool:
+        """Whether a flavor has an sdpa-level case: top-k or the lse is on (sdpa_forward options)."""
+        return bool(set(self.variants) & set(SDPA_ONLY_VARIANTS))
+
+    @property
+    def layer_case(self) -> bool:
+        """Whether a flavor has a layer case: no sdpa-only variant, or a layer-level one besides."""
+        rest = set(self.variants) - set(SDPA_ONLY_VARIANTS)
+        return not self.sdpa_case or bool(rest & set(LAYER_ONLY_VARIANTS))
+
+    def case_labels(self, flavor: str) -> tuple:
+        """The labels of ``flavor``'s cases: the flavor (the layer case) and/or "flavor (sdpa)"."""
+        return ((flavor,) if self.layer_case else ()) + ((flavor + SDPA_SUFFIX,) if self.sdpa_case else ())
 
     @property
     def num_kv_heads(self) -> int:
@@ -172,8 +202,31 @@ class Case(NamedTuple):
     rope: bool = False  # RoPE (rotate-half, base 10000, positions 0 .. L-1) on q and k
     qk_norm: str | None = None  # QK-norm kind; weights params["q_norm_w"], params["k_norm_w"]
     variants: VariantData = VariantData()  # V1-V7 options (learned ones in params and inputs)
+    gate: str | None = None  # "headwise" or "elementwise": params["W_g"], params["b_g"] (GA1-GA5)
+    sdpa: bool = False  # an sdpa-level case: inputs q, k, v (B, H|Hkv, L, D), upstream dO (B, H, Lq, Dv)
+    kv_indices: np.ndarray | None = None  # (B, Hkv, Lq, K) ints, −1 empty (TK1-TK5); sdpa cases
+    dlse: np.ndarray | None = None  # (B, H, Lq): the lse's upstream gradient (LS1-LS4); sdpa cases
+
+    @property
+    def label(self) -> str:
+        """The case's name in a report: its flavor, "+ (sdpa)" for an sdpa-level case."""
+        return self.flavor + (SDPA_SUFFIX if self.sdpa else "")
+
+    def loss(self, params=None, inputs=None) -> float:
+        """L = sum(Y * G) (+ sum(lse * dlse) over the rows with a finite lse, LS1-LS3), float."""
+        out, cache = self.forward(params, inputs)
+        total = float(np.sum(np.asarray(out, dtype=np.float64) * self.upstream))
+        if self.dlse is not None:
+            from ..core.lse import attention_lse
+
+            lse = np.asarray(attention_lse(cache), dtype=np.float64)
+            fin = np.isfinite(lse)
+            total += float(np.sum(lse[fin] * self.dlse[fin]))
+        return total
 
     def lengths(self) -> tuple[int, int]:
+        if self.sdpa:
+            return self.inputs["q"].shape[2], self.inputs["k"].shape[2]
         x = self.inputs["X"]
         return x.shape[1], self.inputs.get("M", x).shape[1]
 
@@ -181,6 +234,17 @@ class Case(NamedTuple):
         """The library's closed-form forward: Y and its cache."""
         params = self.params if params is None else params
         inputs = self.inputs if inputs is None else inputs
+        if self.sdpa:
+            return sdpa_forward(
+                inputs["q"], inputs["k"], inputs["v"],
+                key_lengths=self.masks.key_lengths, mask=self.masks.mask, causal=self.masks.causal or False,
+                bias=inputs.get("Bias"), scale=None if "scale" not in inputs else float(inputs["scale"]),
+                scale_grad="scale" in inputs, softcap=self.variants.softcap, sinks=params.get("sinks"),
+                alibi_slopes=params.get("alibi_slopes"), window=self.variants.window,
+                q_segment_ids=self.variants.q_segment_ids, kv_segment_ids=self.variants.kv_segment_ids,
+                dropout_p=self.variants.dropout_p, dropout_seed=self.variants.dropout_seed,
+                kv_indices=self.kv_indices,
+            )
         return mha_forward(
             params,
             inputs["X"],
@@ -202,11 +266,15 @@ class Case(NamedTuple):
             kv_segment_ids=self.variants.kv_segment_ids,
             dropout_p=self.variants.dropout_p,
             dropout_seed=self.variants.dropout_seed,
+            gate=self.gate,
         )
 
 
 def build_case(flavor: str, cfg: CheckConfig) -> Case:
-    """A seeded case of ``flavor`` at the sizes of ``cfg``."""
+    """A seeded case of ``flavor`` at the sizes of ``cfg`` (``"self (sdpa)"``: the flavor's
+    sdpa-level case of top-k and the lse, :func:`build_sdpa_case`)."""
+    if flavor.endswith(SDPA_SUFFIX):
+        return build_sdpa_case(flavor[: -len(SDPA_SUFFIX)], cfg)
     rng = np.random.default_rng([cfg.seed, FLAVORS.index(flavor)])
     dt = np.dtype(cfg.dtype)
     b, e = cfg.batch, cfg.width
@@ -233,18 +301,64 @@ def build_case(flavor: str, cfg: CheckConfig) -> Case:
         d = e // cfg.heads
         params["q_norm_w"] = (1.0 + 0.3 * rng.standard_normal(d)).astype(dt)
         params["k_norm_w"] = (1.0 + 0.3 * rng.standard_normal(d)).astype(dt)
-    variants = _draw_variants(rng, cfg, params, inputs, lq, lk, dt) if cfg.variants else VariantData()
+    layer_variants = tuple(v for v in cfg.variants if v not in SDPA_ONLY_VARIANTS)
+    variants = _draw_variants(rng, cfg, params, inputs, lq, lk, dt, layer_variants) if layer_variants else VariantData()
+    gate = None
+    if "gate" in cfg.variants:  # drawn after the others (GA1-GA5)
+        gate = GATE_BY_FLAVOR[flavor]
+        width = cfg.heads if gate == "headwise" else e  # H or H·Dv (Dv = E / H)
+        params["W_g"] = (rng.standard_normal((e, width)) / np.sqrt(e)).astype(dt)
+        params["b_g"] = (0.5 * rng.standard_normal(width)).astype(dt)
     return Case(
         flavor, params, inputs, upstream, MaskData(key_lengths, mask, causal), cfg.heads, cfg.num_kv_heads,
-        cfg.rope, cfg.qk_norm, variants,
+        cfg.rope, cfg.qk_norm, variants, gate,
     )
 
 
-def _draw_variants(rng, cfg: CheckConfig, params: dict, inputs: dict, lq: int, lk: int, dt) -> VariantData:
+def build_sdpa_case(flavor: str, cfg: CheckConfig) -> Case:
+    """The sdpa-level case of ``flavor`` (top-k, the lse, with the other V1-V7 of ``cfg``):
+    q (B, H, Lq, D), k, v (B, Hkv, Lk, D), D = width / heads, the flavor's masks, an upstream
+    dO; top-k index lists with a duplicate slot in every row, −1 slots and a row whose slots
+    are all empty; the lse's upstream gradient dlse random."""
+    rng = np.random.default_rng([cfg.seed, FLAVORS.index(flavor), 31])
+    dt = np.dtype(cfg.dtype)
+    b, h, hkv, d = cfg.batch, cfg.heads, cfg.num_kv_heads, cfg.width // cfg.heads
+    lq, lk = cfg.lengths(flavor)
+    inputs = {"q": rng.standard_normal((b, h, lq, d)).astype(dt),
+              "k": rng.standard_normal((b, hkv, lk, d)).astype(dt),
+              "v": rng.standard_normal((b, hkv, lk, d)).astype(dt)}
+    key_lengths = None
+    if "padding" in cfg.masks:
+        key_lengths = rng.integers(0, lk + 1, size=b)
+        key_lengths[0] = lk
+    mask = None
+    if "random" in cfg.masks:
+        mask = rng.random((b, h, lq, lk)) < 0.7
+        mask[0, 0, 0, :] = False
+    causal = cfg.alignment if (flavor == "causal" or "causal" in cfg.masks) else None
+    upstream = rng.standard_normal((b, h, lq, d)).astype(dt)
+    params = {}
+    core = tuple(v for v in cfg.variants if v in VARIANTS)
+    variants = _draw_variants(rng, cfg, params, inputs, lq, lk, dt, core) if core else VariantData()
+    idx = dlse = None
+    if "topk" in cfg.variants:
+        k_slots = max(3, lk // 2 + 1)
+        idx = rng.integers(-1, lk, size=(b, hkv, lq, k_slots))
+        idx[..., 1] = idx[..., 0]  # a duplicate in every row: two slots, counted twice (gather semantics)
+        idx[..., -1] = -1  # an empty slot in every row
+        idx[0, 0, min(1, lq - 1), :] = -1  # a row with every slot empty
+    if "lse" in cfg.variants:
+        dlse = rng.standard_normal((b, h, lq)).astype(dt)
+    return Case(flavor, params, inputs, upstream, MaskData(key_lengths, mask, causal), h, hkv,
+                variants=variants, sdpa=True, kv_indices=idx, dlse=dlse)
+
+
+def _draw_variants(rng, cfg: CheckConfig, params: dict, inputs: dict, lq: int, lk: int, dt,
+                   names: tuple | None = None) -> VariantData:
     """The variants' values, drawn after everything else (the other arrays do not depend on
     them).  Learned sinks and slopes go into ``params``, the attention bias (with ALiBi:
     both are added to the capped logits) and a learned scale into ``inputs``."""
-    b, h, on = cfg.batch, cfg.heads, set(cfg.variants)
+    b, h, on = cfg.batch, cfg.heads, set(cfg.variants if names is None else names)
     if "sinks" in on:
         params["sinks"] = rng.standard_normal(h).astype(dt)  # (H,) (V2)
     if "alibi" in on:

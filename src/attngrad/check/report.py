@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .cases import FLAVOR_TITLES, build_case
+from .cases import FLAVOR_TITLES, SDPA_SUFFIX, build_case
 from .runner import CheckReport
 
 PRETTY = {
@@ -15,7 +15,20 @@ PRETTY = {
     "alibi_slopes": "dL/dslopes",
     "Bias": "dL/dBias",
     "scale": "dL/dscale",
+    "q": "dL/dq",
+    "k": "dL/dk",
+    "v": "dL/dv",
+    "W_g": "dL/dW^g",
+    "b_g": "dL/db^g",
 }
+
+
+def _title(label: str) -> str:
+    """A case's title: the flavor's, or for "flavor (sdpa)" the attention core on q, k, v."""
+    if label.endswith(SDPA_SUFFIX):
+        flavor = label.removesuffix(SDPA_SUFFIX)
+        return f"the attention core of {flavor} attention through sdpa_forward on q, k, v (top-k, lse)"
+    return FLAVOR_TITLES[label]
 
 
 def _describe(report: CheckReport, flavor: str) -> str:
@@ -23,13 +36,19 @@ def _describe(report: CheckReport, flavor: str) -> str:
     case = build_case(flavor, cfg)
     lq, lk = case.lengths()
     m = case.masks
-    masks = []
-    if m.key_lengths is not None:
-        masks.append(f"key padding (lengths {m.key_lengths.tolist()})")
-    if m.mask is not None:
-        masks.append("random boolean mask")
-    if m.causal is not None:
-        masks.append(f"causal ({m.causal})" if lq != lk else "causal")
+    if case.sdpa:
+        extra = []
+        if case.kv_indices is not None:
+            extra.append(f"top-k: K={case.kv_indices.shape[-1]} slots per row, a duplicate and an empty (−1) "
+                         "slot in every row, one row all empty")
+        if case.dlse is not None:
+            extra.append("lse: L = sum(O * dO) + sum(lse * dlse), dlse random")
+        described = _variants(case)
+        if described:
+            extra.append(described)
+        return (f"B={cfg.batch} H={cfg.heads} Hkv={cfg.num_kv_heads} D={cfg.width // cfg.heads} Lq={lq} Lk={lk} "
+                f"{cfg.dtype}, masks: {', '.join(_masks(m, lq, lk)) or 'none'}; " + "; ".join(extra))
+    masks = _masks(m, lq, lk)
     return (
         f"B={cfg.batch} H={cfg.heads} Hkv={cfg.num_kv_heads} E={cfg.width} Lq={lq} Lk={lk} "
         f"{'with' if cfg.bias else 'no'} biases, {cfg.dtype}, masks: {', '.join(masks) or 'none'}"
@@ -37,6 +56,17 @@ def _describe(report: CheckReport, flavor: str) -> str:
         + (f", QK-norm {cfg.qk_norm}" if cfg.qk_norm else "")
         + (f", variants: {_variants(case)}" if cfg.variants else "")
     )
+
+
+def _masks(m, lq: int, lk: int) -> list:
+    masks = []
+    if m.key_lengths is not None:
+        masks.append(f"key padding (lengths {m.key_lengths.tolist()})")
+    if m.mask is not None:
+        masks.append("random boolean mask")
+    if m.causal is not None:
+        masks.append(f"causal ({m.causal})" if lq != lk else "causal")
+    return masks
 
 
 def _variants(case) -> str:
@@ -58,15 +88,17 @@ def _variants(case) -> str:
         on.append(f"dropout p={v.dropout_p:g} seed={v.dropout_seed}")
     if "scale" in case.inputs:
         on.append(f"learned scale {float(case.inputs['scale']):.4g}")
+    if case.gate is not None:
+        on.append(f"{case.gate} gate σ(X W_g + b_g)")
     return ", ".join(on)
 
 
 def format_report(report: CheckReport) -> str:
     lines = []
     head = f"{'gradient':<9} {'shape':<11} {'reference':<19} {'max abs err':>11} {'max rel err':>11}  {'tolerance':<42} result"
-    for flavor in report.config.flavors:
+    for flavor in (lab for f in report.config.flavors for lab in report.config.case_labels(f)):
         recs = [r for r in report.records if r.flavor == flavor]
-        lines.append(f"== {flavor}: {FLAVOR_TITLES[flavor]}")
+        lines.append(f"== {flavor}: {_title(flavor)}")
         lines.append(f"   {_describe(report, flavor)}")
         lines.append(head)
         lines.append("-" * len(head))

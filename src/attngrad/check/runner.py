@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..core.sdpa import sdpa_backward
 from ..layers.mha import mha_backward
 from ..resources import format_bytes, format_seconds, require_memory, require_time
 from .budget import DIRECTIONS, TIME_LIMIT, estimate
@@ -125,8 +126,14 @@ def errors(analytic: np.ndarray, reference: np.ndarray, floor: float = 0.0) -> t
 
 
 def closed_form_gradients(case: Case) -> dict[str, np.ndarray]:
-    """Every gradient of L = sum(Y * G) from the library's closed-form backward."""
+    """Every gradient of L = sum(Y * G) from the library's closed-form backward (an sdpa-level
+    case: of L = sum(O * dO) + sum(lse * dlse), keys "q", "k", "v" and the variants')."""
     _, cache = case.forward()
+    if case.sdpa:
+        g = sdpa_backward(case.upstream, cache, dlse=case.dlse)
+        names = {"q": "q", "k": "k", "v": "v", "sinks": "sinks", "alibi_slopes": "alibi_slopes",
+                 "bias": "Bias", "scale": "scale"}
+        return {names[k]: v for k, v in g.items() if k in names}
     dinputs, dparams = mha_backward(case.upstream, cache)
     grads = {"X": dinputs["query"], **dparams}
     if "M" in case.inputs:
@@ -147,7 +154,7 @@ def _losses(case: Case) -> dict:
         def loss(value, name=name):
             p = {**params, name: value} if name in params else params
             i = {**inputs, name: value} if name in inputs else inputs
-            return float(np.sum(case.forward(p, i)[0] * g))
+            return case._replace(upstream=g).loss(p, i)
 
         out[name] = (loss, {**inputs, **params}[name])
     return out
@@ -194,7 +201,7 @@ def _compare_autograd(case: Case, grads: dict, dtype: str) -> list[Record]:
         for name, g in grads.items():
             abs_err, rel = errors(g, ref[name], floor)
             ok = rel <= REL_TOL_F64
-            records.append(Record(case.flavor, name, tuple(g.shape), AUTOGRAD, abs_err, rel,
+            records.append(Record(case.label, name, tuple(g.shape), AUTOGRAD, abs_err, rel,
                                   f"rel <= {REL_TOL_F64:g}", bool(ok)))
         return records
     ref64 = torch_gradients(as_float64(case))
@@ -206,7 +213,7 @@ def _compare_autograd(case: Case, grads: dict, dtype: str) -> list[Record]:
         torch_err = errors(ref[name], ref64[name])[0]
         bound = 2.0 * torch_err + rounding
         tol = f"|a-r64| <= 2 x torch {dtype} err + {F32_ULPS} ulp"
-        records.append(Record(case.flavor, name, tuple(g.shape), AUTOGRAD_F64, abs_err, rel, tol,
+        records.append(Record(case.label, name, tuple(g.shape), AUTOGRAD_F64, abs_err, rel, tol,
                               bool(abs_err <= bound)))
     return records
 
@@ -219,7 +226,7 @@ def _compare_finite_differences(case: Case, grads: dict) -> list[Record]:
     for name, g in grads.items():
         abs_err, rel = errors(g, ref[name], floor)
         ok = gradcheck_close(np.asarray(g, dtype=np.float64), ref[name])
-        records.append(Record(case.flavor, name, tuple(g.shape), FINITE_DIFF, abs_err, rel, tol, ok))
+        records.append(Record(case.label, name, tuple(g.shape), FINITE_DIFF, abs_err, rel, tol, ok))
     return records
 
 
@@ -232,7 +239,7 @@ def _compare_directions(case: Case, grads: dict, rng: np.random.Generator) -> li
         analytic, numeric = pairs[name]
         abs_err, rel = errors(analytic, numeric, floor)
         ok = gradcheck_close(analytic, numeric)
-        records.append(Record(case.flavor, name, tuple(g.shape), RANDOM_FD, abs_err, rel, tol, ok))
+        records.append(Record(case.label, name, tuple(g.shape), RANDOM_FD, abs_err, rel, tol, ok))
     return records
 
 
@@ -260,7 +267,7 @@ def run_check(cfg: CheckConfig | None = None, *, progress=None) -> CheckReport:
         )
     if cfg.dtype != "float64":
         notes.append("finite differences need float64: skipped for dtype " + cfg.dtype)
-    directional = [f for f in cfg.flavors if not budget.full_fd[f]]
+    directional = [f for f in budget.full_fd if not budget.full_fd[f]]
     if directional and cfg.dtype == "float64":
         notes.append(
             f"finite differences along {DIRECTIONS} random unit directions per gradient for "
@@ -269,22 +276,22 @@ def run_check(cfg: CheckConfig | None = None, *, progress=None) -> CheckReport:
         )
     rng = np.random.default_rng([cfg.seed, 99])
     records = []
-    for flavor in cfg.flavors:
-        say(f"{flavor}: building the case and its closed-form gradients")
-        case = build_case(flavor, cfg)
+    for label in (lab for f in cfg.flavors for lab in cfg.case_labels(f)):
+        say(f"{label}: building the case and its closed-form gradients")
+        case = build_case(label, cfg)
         grads = closed_form_gradients(case)
-        order = ["X", "M", "W_q", "W_k", "W_v", "W_o", "b_q", "b_k", "b_v", "b_o", "q_norm_w", "k_norm_w",
-                 "sinks", "alibi_slopes", "Bias", "scale"]
+        order = ["X", "M", "q", "k", "v", "W_q", "W_k", "W_v", "W_o", "b_q", "b_k", "b_v", "b_o", "q_norm_w",
+                 "k_norm_w", "W_g", "b_g", "sinks", "alibi_slopes", "Bias", "scale"]
         grads = {k: grads[k] for k in order if k in grads}
         if version is not None:
-            say(f"{flavor}: torch autograd")
+            say(f"{label}: torch autograd")
             records += _compare_autograd(case, grads, cfg.dtype)
         if cfg.dtype == "float64":
-            if budget.full_fd[flavor]:
-                say(f"{flavor}: finite differences, element by element")
+            if budget.full_fd[label]:
+                say(f"{label}: finite differences, element by element")
                 records += _compare_finite_differences(case, grads)
             else:
-                say(f"{flavor}: finite differences along {DIRECTIONS} random directions per gradient")
+                say(f"{label}: finite differences along {DIRECTIONS} random directions per gradient")
                 records += _compare_directions(case, grads, rng)
     return CheckReport(cfg, version, records, notes)
 

@@ -4,6 +4,10 @@ Independent of the library's forward: plain torch ops, and the mask structure bu
 from the case's plain data (index comparisons), not from ``attngrad.core.masks``.  The
 variants (V1-V7) are formed here too, in FlashAttention's order; the dropout keep mask is
 the case's data (drawn by ``attngrad.dropout_mask``, the stream the library documents).
+The gate (GA1-GA5) is a sigmoid of X W_g + b_g on the merged heads, written here; top-k
+(TK1-TK5) gathers the dense logits, mask, keep mask and values at each row's slots with
+``torch.gather`` (a key listed twice is two terms of the softmax); the lse (LS1-LS4) is
+``torch.logsumexp`` of the allowed logits and the sink.
 """
 
 from __future__ import annotations
@@ -74,10 +78,13 @@ def _rope(torch, x):
 def torch_gradients(case: Case) -> dict[str, np.ndarray]:
     """dL/d(every input and parameter) of L = sum(Y * G) by PyTorch autograd.
 
-    Computed in the case's dtype; keys "X", "M" (cross only) and the parameter names.
+    Computed in the case's dtype; keys "X", "M" (cross only) and the parameter names (an
+    sdpa-level case: "q", "k", "v" and the variants', see :func:`torch_sdpa_gradients`).
     """
     import torch
 
+    if case.sdpa:
+        return torch_sdpa_gradients(case)
     leaves = {k: torch.tensor(v, requires_grad=True) for k, v in {**case.inputs, **case.params}.items()}
     x = leaves["X"]
     mem = leaves.get("M", x)
@@ -101,6 +108,11 @@ def torch_gradients(case: Case) -> dict[str, np.ndarray]:
     v = proj(mem, "W_v", "b_v", hkv).repeat_interleave(h // hkv, dim=1)  # (B, H, Lk, Dv)
     p = _probabilities(torch, case, leaves, q, k)  # (B, H, Lq, Lk)
     o = (p @ v).transpose(1, 2).reshape(b, lq, -1)  # (B, Lq, H*Dv)
+    if case.gate is not None:  # (GA1)-(GA2): o * sigmoid(x W_g + b_g), one gate per head or per feature
+        gate = torch.sigmoid(x @ leaves["W_g"] + leaves["b_g"])
+        if case.gate == "headwise":
+            gate = gate.repeat_interleave(o.shape[-1] // h, dim=-1)
+        o = o * gate
     y = o @ leaves["W_o"]
     if "b_o" in leaves:
         y = y + leaves["b_o"]
@@ -139,3 +151,59 @@ def _probabilities(torch, case: Case, leaves: dict, q, k):
         p = p * torch.as_tensor(var.dropout_keep).to(p.dtype) / (1.0 - var.dropout_p)
     return p
 
+
+
+def torch_sdpa_gradients(case: Case) -> dict[str, np.ndarray]:
+    """dL/d(q, k, v and the learned variants) of L = sum(O * dO) + sum(lse * dlse) (the rows
+    with something to attend) for an sdpa-level case, by PyTorch autograd."""
+    import torch
+
+    leaves = {k: torch.tensor(v, requires_grad=True) for k, v in {**case.inputs, **case.params}.items()}
+    q, h = leaves["q"], case.num_heads
+    group = h // case.num_kv_heads
+    k = leaves["k"].repeat_interleave(group, dim=1)  # (B, H, Lk, D)
+    v = leaves["v"].repeat_interleave(group, dim=1)
+    b, _, lq, _ = q.shape
+    lk = k.shape[2]
+    var = case.variants
+    scale = leaves["scale"] if "scale" in leaves else 1.0 / np.sqrt(q.shape[-1])
+    s = (q @ k.transpose(-1, -2)) * scale  # (B, H, Lq, Lk)
+    if var.softcap is not None:
+        s = var.softcap * torch.tanh(s / var.softcap)
+    if "Bias" in leaves:
+        s = s + leaves["Bias"]
+    if "alibi_slopes" in leaves:
+        pos = torch.arange(lq, dtype=s.dtype)[:, None] + _offset(case, lq, lk)
+        s = s - leaves["alibi_slopes"][None, :, None, None] * (pos - torch.arange(lk, dtype=s.dtype)[None, :]).abs()
+    allowed = _allowed(torch, case, lq, lk).expand(b, h, lq, lk)
+    keep = None if var.dropout_keep is None else torch.as_tensor(var.dropout_keep).expand(b, h, lq, lk)
+    if case.kv_indices is not None:  # gather every (Lq, Lk) array at the slots: (B, H, Lq, K)
+        idx = torch.as_tensor(case.kv_indices).long()
+        idx = idx.repeat_interleave(h // idx.shape[1], dim=1)
+        safe = idx.clamp(min=0)
+        s = torch.gather(s, -1, safe)
+        allowed = torch.gather(allowed, -1, safe) & (idx >= 0)
+        keep = None if keep is None else torch.gather(keep, -1, safe)
+        rows = torch.arange(b)[:, None, None, None], torch.arange(h)[None, :, None, None]
+        v = v[rows[0], rows[1], safe]  # (B, H, Lq, K, Dv)
+    row_any = allowed.any(dim=-1, keepdim=True)
+    masked = torch.where(allowed, s, torch.tensor(-torch.inf, dtype=s.dtype))
+    if "sinks" in leaves:
+        sink = leaves["sinks"][None, :, None, None].expand(b, h, lq, 1)
+        full = torch.cat([masked, sink], dim=-1)
+        p = torch.softmax(full, dim=-1)[..., :-1]
+        lse = torch.logsumexp(full, dim=-1)
+        live = torch.ones((b, h, lq), dtype=torch.bool)
+    else:
+        safe_s = torch.where(row_any, masked, torch.tensor(0.0, dtype=s.dtype))  # no NaN on empty rows
+        p = torch.softmax(safe_s, dim=-1) * row_any.to(s.dtype)
+        lse = torch.logsumexp(safe_s, dim=-1)
+        live = row_any[..., 0]
+    if keep is not None:
+        p = p * keep.to(p.dtype) / (1.0 - var.dropout_p)
+    o = torch.einsum("bhis,bhise->bhie", p, v) if case.kv_indices is not None else p @ v
+    loss = (o * torch.tensor(case.upstream)).sum()
+    if case.dlse is not None:
+        loss = loss + torch.where(live, lse, torch.tensor(0.0, dtype=lse.dtype)).mul(torch.tensor(case.dlse)).sum()
+    loss.backward()
+    return {k: (t.grad if t.grad is not None else torch.zeros_like(t)).numpy() for k, t in leaves.items()}

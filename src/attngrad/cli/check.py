@@ -12,7 +12,8 @@ from ..check.budget import estimate
 from ..check.cases import DEFAULT_LK
 from ..check.torch_reference import torch_available
 from ..core.masks import CAUSAL_ALIGNMENTS
-from ..core.variants import parse_variants as parse_variant_names
+from ..core.variants import ALL_VARIANTS
+from ..core.variants import parse_all_variants as parse_variant_names
 from ..resources import format_seconds
 
 PROGRESS_AFTER = 5.0  # seconds: longer runs report their steps on stderr
@@ -30,15 +31,23 @@ def _masks(text: str) -> tuple:
     return kinds
 
 
-def parse_variants(text: str) -> tuple:
-    """``--variant``: 'all' or a comma list of VARIANTS (V1-V7), in VARIANTS' order."""
-    names = [v.strip() for v in text.split(",") if v.strip()]
-    try:
-        return parse_variant_names("all" if names == ["all"] else tuple(dict.fromkeys(names)))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected 'all' or a comma list of {', '.join(VARIANTS)}; got {text!r}"
-        ) from None
+def _variant_parser(all_means: tuple):
+    def parse(text: str) -> tuple:
+        names = [v.strip() for v in text.split(",") if v.strip()]
+        try:
+            return parse_variant_names("all" if names == ["all"] else tuple(dict.fromkeys(names)), all_means)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected 'all' or a comma list of {', '.join(ALL_VARIANTS)}; got {text!r}"
+            ) from None
+
+    return parse
+
+
+# ``--variant`` of derive and graph: 'all' (V1-V7) or a comma list of ALL_VARIANTS, in that order
+parse_variants = _variant_parser(VARIANTS)
+# ``--variant`` of check: 'all' is every variant, top-k, the lse and the gate included
+parse_check_variants = _variant_parser(ALL_VARIANTS)
 
 
 def add_formula_variant(p) -> None:
@@ -46,7 +55,8 @@ def add_formula_variant(p) -> None:
     today's variants instead of a flavor."""
     p.add_argument("--variant", type=parse_variants, default=None, metavar="NAMES",
                    help="instead of a flavor: the attention core of one head with today's variants, 'all' "
-                        f"or a comma list of {','.join(VARIANTS)} (V1-V7)")
+                        f"(V1-V7) or a comma list of {','.join(ALL_VARIANTS)} (topk: TK1-TK5, lse: LS1-LS4; "
+                        "gate, a layer option, adds the gated self-attention layer, GA1-GA5)")
 
 
 def register(sub) -> None:
@@ -75,9 +85,10 @@ def register(sub) -> None:
     p.add_argument("--rope", action="store_true", help="rotary positions (RoPE, rotate-half) on the per-head queries and keys")
     p.add_argument("--qk-norm", nargs="?", const="rms", choices=["rms", "layer"], default=None,
                    help="per-head QK-norm with learned weights, rms (the default when given bare) or layer")
-    p.add_argument("--variant", type=parse_variants, default=(), metavar="NAMES",
-                   help=f"today's variants through the layer: 'all' or a comma list of {','.join(VARIANTS)} "
-                        "(learned sinks, ALiBi slopes with an attention bias, and scale are checked as parameters)")
+    p.add_argument("--variant", type=parse_check_variants, default=(), metavar="NAMES",
+                   help=f"today's variants: 'all' or a comma list of {','.join(ALL_VARIANTS)} (learned sinks, "
+                        "ALiBi slopes with an attention bias, and scale are checked as parameters; V1-V7 and gate "
+                        "through the layer, topk and lse through sdpa_forward on q, k, v: 'all' runs both cases)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     p.set_defaults(func=run)
 

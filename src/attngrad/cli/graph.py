@@ -7,7 +7,7 @@ import sys
 from ..formulas import FLAVORS, GRAPH_FORMATS, GraphvizError, write_graph
 from ..formulas.graph import SUFFIXES, output_format
 from ..formulas.rope_norm import EXTRA
-from ..formulas.variants import variant_key
+from ..formulas.variants import PREFIX
 from .check import add_formula_variant
 
 __all__ = ["output_format", "register", "run"]
@@ -38,7 +38,7 @@ def register(sub) -> None:
 def run(args) -> int:
     if args.variant is not None and args.flavor is not None:
         raise ValueError(f"--variant draws the attention core of one head; --flavor {args.flavor} cannot apply")
-    flavor = variant_key(args.variant) if args.variant is not None else (args.flavor or "self")
+    flavor = PREFIX + ",".join(args.variant) if args.variant is not None else (args.flavor or "self")
     fmt = output_format(args.output, args.fmt)
     try:
         written = write_graph(flavor, args.output, fmt)

@@ -34,8 +34,7 @@ def cell(results) -> str:
     bad = count[FAIL] + count[NONDET] + count[REFUSED]
     if bad:
         kinds = [w for v, w in ((FAIL, "wrong"), (REFUSED, "refused"), (NONDET, "non-det")) if count[v]]
-        return f"**fail** {bad}/{n} ({', '.join(kinds)})" if bad < n or len(kinds) > 1 or kinds != ["wrong"] \
-            else f"**fail** {bad}/{n}"
+        return f"**fail** {bad}/{n} ({', '.join(kinds)})"
     if count[FRAGILE]:
         return f"fragile {count[FRAGILE]}/{n}"
     if count[PASS]:

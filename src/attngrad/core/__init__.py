@@ -8,12 +8,14 @@ from .sdpa import (
     SDPACache,
     SDPAShape,
     TiledCache,
+    attention_lse,
     attention_weights,
     masked_softmax,
     sdpa,
     sdpa_backward,
     sdpa_forward,
 )
+from .varlen import VarlenCache, sdpa_varlen_backward, sdpa_varlen_forward
 
 __all__ = [
     "CAUSAL_ALIGNMENTS",
@@ -24,6 +26,8 @@ __all__ = [
     "SDPACache",
     "SDPAShape",
     "TiledCache",
+    "VarlenCache",
+    "attention_lse",
     "attention_options",
     "attention_weights",
     "dropout_mask",
@@ -33,4 +37,6 @@ __all__ = [
     "sdpa",
     "sdpa_backward",
     "sdpa_forward",
+    "sdpa_varlen_backward",
+    "sdpa_varlen_forward",
 ]

@@ -20,6 +20,7 @@ from ..runtime.parallel import exp_inplace
 from ..runtime.workspace import SEQUENTIAL, scratch
 from .dropout import keep_heads
 from .logits import alibi_grad_distance, form_logits, softcap_backward
+from .lse_grad import alibi_lse_term
 from .problem import Problem, SDPAShape, problem_views
 
 
@@ -182,7 +183,7 @@ def masked_softmax(xp, s, allowed=None, *, overwrite: bool = False):
     return softmax_with_sinks(xp, s, allowed, overwrite=overwrite)[0]
 
 
-def dense_backward(xp, do, cache: SDPACache, out: dict | None = None) -> dict:
+def dense_backward(xp, do, cache: SDPACache, out: dict | None = None, dlse=None) -> dict:
     """Closed-form gradients (A4-A10, V1-V7) from the dense cache; dOut validated, compute
     dtype, (B, H, Lq, Dv).  ``out``: NumPy arrays (any strides) of the compute dtype that
     dQ (B, H, Lq, D), dK, dV are formed in, by key "q", "k", "v" (some or none; dQ only
@@ -214,6 +215,9 @@ def dense_backward(xp, do, cache: SDPACache, out: dict | None = None) -> dict:
     elif cache.flat is not None:
         ds5 = xp.reshape(ds, (B, Hkv, G, Lq, Lk))
         ds = xp.reshape(xp.where(cache.flat, xp.zeros((), dtype=ds.dtype), ds5), (B, Hkv, G * Lq, Lk))  # (A7)
+    dl = None if dlse is None else xp.reshape(xp.astype(dlse, ds.dtype), (B, Hkv, G * Lq, 1))
+    if dl is not None:  # (LS3) dS += P * dlse (a constant-softmax row: dS = P * dlse, LS4)
+        ds = np.add(ds, p * dl, out=ds) if xp is np else ds + p * dl
     grads = {}
     if prob.bias is not None:  # (A10)
         g = reduce_to_shape(xp, xp.reshape(ds, (B, H, Lq, Lk)), prob.bias_shape)
@@ -224,9 +228,13 @@ def dense_backward(xp, do, cache: SDPACache, out: dict | None = None) -> dict:
         dist = alibi_grad_distance(xp, ds.dtype, 0, Lq, 0, Lk, prob.spec.offset, Lk,
                                    prob.sinks is not None)  # (Lq, Lk) (V8)
         per = -xp.sum(xp.astype(xp.reshape(ds, (B, H, Lq, Lk)) * dist, xp.float64), axis=(2, 3))  # (B, H)
+        fix = None if dl is None else alibi_lse_term(
+            xp, prob, dlse, lambda: xp.reshape(xp.any(p > 0, axis=-1), (B, H, Lq)))  # (LS4)
+        per = per if fix is None else per - fix
         grads["alibi_slopes"] = _reduce_heads(xp, per, prob.alibi_shape)
     if prob.sinks is not None:  # (V2) dsink_h = -sum_i P_sink_i delta_i
-        per = -xp.astype(xp.reshape(cache.psink * delta, (B, H, Lq)), xp.float64)  # (B, H, Lq)
+        dd = delta if dl is None else delta - dl  # (LS3) delta' = delta - dlse
+        per = -xp.astype(xp.reshape(cache.psink * dd, (B, H, Lq)), xp.float64)  # (B, H, Lq)
         grads["sinks"] = xp.sum(xp.sum(per, axis=2), axis=0)  # (H,)
     ds = softcap_backward(xp, ds, cache.t)  # (V1) dS0
     dq_raw = _product(ds, k, out.get("q") if G == 1 else None)  # (B, Hkv, G*Lq, D)  dS0 K

@@ -34,6 +34,7 @@ class AttentionOptions:
     dropout_p: object = 0.0  # in [0, 1)   (V3)
     dropout_seed: object = None  # an integer when dropout_p > 0
     scale_grad: object = False  # return dL/dscale   (V7)
+    kv_indices: object = None  # (B, Hkv|1, Lq, K) ints: top-k sparse attention, -1 = empty slot (TK1)
 
     def replace(self, **changes) -> AttentionOptions:
         """A copy with ``changes`` (option names) applied."""
@@ -71,6 +72,7 @@ _NAME_SET = frozenset(OPTION_NAMES)
 
 def options_in(arguments: dict) -> AttentionOptions:
     """The options among a function's arguments (its ``locals()``, every name of
-    :data:`OPTION_NAMES` among them): for the public functions whose signatures repeat
+    :data:`OPTION_NAMES` among them; an option a signature leaves out, such as
+    ``kv_indices``, keeps its default): for the public functions whose signatures repeat
     sdpa_forward's keywords."""
-    return frozen_record(AttentionOptions, **{name: arguments[name] for name in OPTION_NAMES})
+    return frozen_record(AttentionOptions, **{name: arguments[name] for name in OPTION_NAMES if name in arguments})

@@ -27,6 +27,7 @@ from ..runtime._xp import (
 )
 from .masks import MaskSpec, make_mask_spec
 from .options import AttentionOptions
+from .topk_check import check_kv_indices
 
 
 class SDPAShape(NamedTuple):
@@ -65,6 +66,7 @@ class Problem:
     dropout_p: float = 0.0  # (V3)
     dropout_seed: int | None = None
     scale_grad: bool = False  # return dL/dscale   (V7)
+    kv_indices: Array | None = None  # (B, Hkv|1, Lq, K) int64, -1 = empty slot: top-k attention (TK1)
 
     @property
     def fold(self) -> bool:
@@ -157,10 +159,13 @@ def make_problem(xp, q, k, v, options: AttentionOptions, *, shape: SDPAShape | N
     scale_grad = o.scale_grad
     if not isinstance(scale_grad, bool):
         raise TypeError(f"scale_grad must be True or False; got {scale_grad!r}")
+    kv_indices = getattr(o, "kv_indices", None)
+    if kv_indices is not None:
+        kv_indices = check_kv_indices(kv_indices, sh.batch, sh.kv_heads, sh.lq, sh.lk)
     return frozen_record(
         Problem, shape=sh, scale=scale, spec=spec, dtype=dtype, cdt=cdt, bias=bias, bias_shape=bias_shape,
         softcap=softcap, sinks=sinks, alibi=alibi_slopes, alibi_shape=alibi_shape, dropout_p=p,
-        dropout_seed=seed, scale_grad=scale_grad,
+        dropout_seed=seed, scale_grad=scale_grad, kv_indices=kv_indices,
     )
 
 

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from ..runtime import fused
 from ..runtime._xp import (
     Array,
     check_array,
@@ -128,11 +129,46 @@ def merge_pairs(xp, u, w, rest, layout: str):
 
 
 def _rotate(xp, x, cos, sin, r: int, layout: str):
-    """Rotate each pair of x by the angle whose cosine and sine are given (R3)."""
+    """Rotate each pair of x by the angle whose cosine and sine are given (R3).  NumPy
+    float32/float64 with the fused kernels on: one compiled pass
+    (:func:`._rope_kernels.rotate`, the same bits as the lines below)."""
+    kernel = _kernel() if xp is np else None
+    if kernel is not None and _compiled(x, cos, sin):
+        out = np.empty_like(x)  # (B, H, L, D) fresh, in x's axis order as the concatenation's
+        kernel(x, cos, sin, r, layout == "half", out)  # (R3, R4)
+        return out
     u, w, rest = split_pairs(x, r, layout)
     u2 = u * cos - w * sin  # (R3) (B, H, L, R/2)
     w2 = w * cos + u * sin  # (R3) (B, H, L, R/2)
     return merge_pairs(xp, u2, w2, rest, layout)  # (R4) a fresh array (concat / stack copy)
+
+
+_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+_KERNEL = None  # the compiled rotation, False when numba is missing
+
+
+def _kernel():
+    """:func:`._rope_kernels.rotate` when the fused kernels are enabled
+    (:func:`attngrad.runtime.fused.enabled`), else None."""
+    global _KERNEL
+    if not fused.enabled():
+        return None
+    if _KERNEL is None:
+        try:
+            from ._rope_kernels import rotate
+        except ImportError:  # pragma: no cover - numba missing
+            _KERNEL = False
+        else:
+            _KERNEL = rotate
+    return _KERNEL or None
+
+
+def _compiled(x, cos, sin) -> bool:
+    """The compiled rotation's domain: NumPy arrays of one float32/float64 dtype, x 4-D,
+    the tables (1|B, 1, L, R/2)."""
+    return (type(x) is np.ndarray and type(cos) is np.ndarray and type(sin) is np.ndarray
+            and x.dtype in _FLOATS and x.dtype == cos.dtype == sin.dtype and x.ndim == 4 and cos.ndim == 4
+            and x.size > 0)
 
 
 def rope_forward(x, positions, *, rotary_dim=None, base=10000.0, layout="half"):

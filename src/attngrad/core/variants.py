@@ -40,6 +40,27 @@ VARIANT_DEFAULTS = {
 }
 
 
+# The variants of issue 31, checked and derived by name but not conform features (conform
+# has families of its own for them): top-k index lists (TK1-TK5) and the log-sum-exp as an
+# output (LS1-LS4) are options of sdpa_forward; the gated output (GA1-GA5) of mha_forward.
+EXTRA_VARIANTS = ("topk", "lse", "gate")
+ALL_VARIANTS = VARIANTS + EXTRA_VARIANTS
+SDPA_ONLY_VARIANTS = ("topk", "lse")  # sdpa_forward(kv_indices=), attention_lse / dlse=
+LAYER_ONLY_VARIANTS = ("gate",)  # mha_forward(gate=)
+
+
+def parse_all_variants(names, all_means=ALL_VARIANTS) -> tuple:
+    """As :func:`parse_variants` over ALL_VARIANTS (``"all"`` means ``all_means``); a set
+    with both an sdpa-only and a layer-only variant is refused (ValueError)."""
+    if names == "all" or names == ("all",):
+        return tuple(all_means)
+    names = tuple(names)
+    bad = [n for n in names if n not in ALL_VARIANTS]
+    if bad or not names or len(set(names)) != len(names):
+        raise ValueError(f"variants must be 'all' or some of {', '.join(ALL_VARIANTS)} (no repeats); got {names!r}")
+    return tuple(n for n in ALL_VARIANTS if n in names)
+
+
 def variant_of_feature(feature: str) -> str:
     """The variant name of a conform feature ("scale_grad" -> "scale"); KeyError if none."""
     for name, feat in VARIANT_FEATURES.items():

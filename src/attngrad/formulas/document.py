@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from .catalogue import FLAVOR_TITLES, FLAVORS, Catalogue, catalogue
 from .rope_norm import EXTRA, EXTRA_NOTATION
-from .variants import variant_key
+from .variants import variant_keys
 
 FORMATS = ("text", "markdown", "latex")
 
@@ -61,17 +61,19 @@ def render(cat: Catalogue, fmt: str) -> str:
 
 def derive_document(flavor: str = "all", fmt: str = "text", variants=None) -> str:
     """What ``attngrad derive --flavor FLAVOR --format FMT`` prints; with ``variants`` (some
-    of core.variants.VARIANTS, or "all"), what ``--variant`` prints instead: the
-    attention core of one head with those variants (V1-V7)."""
+    of core.variants.ALL_VARIANTS, or "all": V1-V7), what ``--variant`` prints instead: the
+    attention core of one head with those variants (V1-V7, top-k TK1-TK5, the lse LS1-LS4),
+    then, with "gate", the gated self-attention layer (GA1-GA5)."""
+    keys = None
     if variants is not None:
         if flavor != "all":
             raise ValueError(f"variants print the attention core of one head; flavor={flavor!r} cannot apply")
-        flavor = variant_key(variants)
+        keys = variant_keys(variants)
     elif flavor != "all" and flavor not in (*FLAVORS, *EXTRA):
         raise ValueError(f"flavor must be one of {', '.join((*FLAVORS, *EXTRA))} or all; got {flavor!r}")
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {', '.join(FORMATS)}; got {fmt!r}")
-    flavors = FLAVORS if flavor == "all" else (flavor,)
+    flavors = keys if keys is not None else FLAVORS if flavor == "all" else (flavor,)
     body = "\n".join(render(catalogue(f), fmt) for f in flavors)
     if fmt == "latex":
         return (

@@ -17,7 +17,7 @@ from pathlib import Path
 from .catalogue import FLAVOR_TITLES, FLAVORS, Catalogue, catalogue
 from .expr import Add, Expr
 from .rope_norm import EXTRA
-from .variants import is_variant_key
+from .variants import PREFIX, is_variant_key, variant_keys
 
 GRAPH_FORMATS = ("dot", "svg", "png", "pdf")
 _HEAD = ("Q_h", "K_h", "V_h", "S_h", "P_h", "O_h", "dQ_h")
@@ -103,6 +103,8 @@ def graph_dot(flavor: str) -> str:
     flavors = FLAVORS if flavor == "all" else (flavor,)
     if flavor != "all" and flavor not in (*FLAVORS, *EXTRA) and not is_variant_key(flavor):
         raise ValueError(f"flavor must be one of {', '.join((*FLAVORS, *EXTRA))} or all; got {flavor!r}")
+    if is_variant_key(flavor):  # "variant:topk,gate": the attention core and the gated layer side by side
+        flavors = variant_keys(tuple(flavor[len(PREFIX):].split(",")))
     out = ["digraph attngrad {", '  rankdir=TB; newrank=true; fontname="Helvetica"; nodesep=0.18; ranksep=0.32;',
            '  node [fontname="Helvetica", fontsize=11, margin="0.06,0.03", height=0.3];',
            '  edge [fontname="Helvetica", fontsize=9, arrowsize=0.7];',

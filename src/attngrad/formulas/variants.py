@@ -16,6 +16,10 @@ Evaluation environment (:func:`variant_env`, from sdpa_forward's options): per-h
 V_h (B, H, Lk, ·), G (B, H, Lq, Dv), the scale ``s``, and per variant ``c``, ``z`` (H,),
 ``a`` (H,), ``Bias`` (1, H, Lq, Lk), ``left``/``right``, ``qseg``/``kvseg``, ``Z`` and
 ``kappa``; ``mask0`` (padding and causal structure) and the position offset ``o``.
+Top-k (TK1-TK5) and the lse (LS1-LS4) join the same catalogue: ``idx`` (B, H, Lq, K), the
+slots of each row, and ``Gamma`` (B, H, Lq), the lse's upstream gradient (``kv_indices=``,
+``dlse=`` in ``variant_env``'s options).  The gated output (GA1-GA5) is a layer option: its
+catalogue (``"variant:gate"``, :mod:`.gate`) is the self-attention layer with the gate.
 """
 
 
@@ -27,7 +31,13 @@ import numpy as np
 
 from ..core.dropout import dropout_mask
 from ..core.masks import make_mask_spec
-from ..core.variants import VARIANT_DEFAULTS, VARIANTS, parse_variants
+from ..core.variants import (
+    ALL_VARIANTS,
+    LAYER_ONLY_VARIANTS,
+    VARIANT_DEFAULTS,
+    VARIANTS,
+    parse_all_variants,
+)
 from ..runtime._xp import resolve_scale
 from .expr import (
     BatchSum,
@@ -41,6 +51,8 @@ from .expr import (
     SoftmaxJacobian,
     Sym,
 )
+from .sparse_nodes import GatherRows as Gather
+from .sparse_nodes import LogSumExp, ScatterKeys, ScatterRows, Slots, SlotsFilled
 from .variant_nodes import (
     And,
     Band,
@@ -90,8 +102,24 @@ NOTES = (
 
 
 def variant_key(names) -> str:
-    """The catalogue key of a set of variants: ``"variant:sinks,softcap"``."""
-    return PREFIX + ",".join(parse_variants(names))
+    """The catalogue key of a set of variants: ``"variant:sinks,softcap"``.  Names from
+    core.variants.ALL_VARIANTS ("all": V1-V7); "gate" (a layer option) alone: ``"variant:gate"``."""
+    names = parse_all_variants(names, VARIANTS)
+    if set(names) & set(LAYER_ONLY_VARIANTS) and len(names) > 1:
+        raise ValueError(
+            f"variants {', '.join(names)}: gate is an option of the layer (mha_forward), the others of "
+            "sdpa_forward's attention core; give gate alone (variant_keys splits a mixed set)"
+        )
+    return PREFIX + ",".join(names)
+
+
+def variant_keys(names) -> tuple:
+    """The catalogue keys a set of variants prints: the attention core of one head with the
+    sdpa variants, then the gated layer (GA1-GA5) when "gate" is among them."""
+    names = parse_all_variants(names, VARIANTS)
+    core = [n for n in names if n not in LAYER_ONLY_VARIANTS]
+    layer = [n for n in names if n in LAYER_ONLY_VARIANTS]
+    return tuple(PREFIX + ",".join(part) for part in (core, layer) if part)
 
 
 def is_variant_key(flavor) -> bool:
@@ -105,7 +133,17 @@ def _sym(S, name, tex, txt, meaning, shape=""):
 
 def variant_catalogue(key: str, cat_cls, section_cls):
     """The catalogue of ``key`` (see :func:`variant_key`), built with the given record classes."""
-    on = set(parse_variants(tuple(key[len(PREFIX):].split(","))))
+    names = parse_all_variants(tuple(key[len(PREFIX):].split(",")), VARIANTS)
+    if "gate" in names:
+        from .gate import gate_catalogue
+
+        if len(names) > 1:
+            raise ValueError(f"variants {', '.join(names)}: gate (a layer option) cannot share a catalogue "
+                             "with the attention core's variants")
+        return gate_catalogue(key, cat_cls, section_cls)
+    on = set(names)
+    topk, lse = "topk" in on, "lse" in on
+    LK = "(Lq, K)" if topk else "(Lq, Lk)"  # the logits' shape: K slots per row under top-k
     S = {}
     sy = lambda *a: _sym(S, *a)
     Q = sy("Q_h", "Q_h", "Q_h", "queries of head h", "(Lq, D)")
@@ -119,7 +157,14 @@ def variant_catalogue(key: str, cat_cls, section_cls):
     last = "S_h" if not ({"softcap", "alibi"} & on) else "S0_h"
     S0 = sy(last, "S_h" if last == "S_h" else "S^{0}_h", "S_h" if last == "S_h" else "S⁰_h",
             "attention logits of head h" if last == "S_h" else "scaled scores s Q Kᵀ of head h", "(Lq, Lk)")
-    fwd.append(F("(A1)", S0, Scale(s, Q @ K.T), kind="forward"))
+    if topk:
+        Kg = sy("Kg_h", r"\hat{K}_h", "K̂_h", "the keys each slot names: K̂_h[i, s] = K_h[j_s] (j_s = idx[b, h // G, i, s])", "(Lq, K, D)")
+        Vg = sy("Vg_h", r"\hat{V}_h", "V̂_h", "the values each slot names: V̂_h[i, s] = V_h[j_s]", "(Lq, K, Dv)")
+        fwd.append(F("(TK1)", Kg, Gather(K), kind="forward"))
+        fwd.append(F("(TK1)", Vg, Gather(V), kind="forward"))
+        fwd.append(F("(TK2)", S0, Scale(s, Einsum("is", [(Q, "id"), (Kg, "isd")])), index="is", kind="forward"))
+    else:
+        fwd.append(F("(A1)", S0, Scale(s, Q @ K.T), kind="forward"))
     cur = S0
     if "softcap" in on:
         c = sy("c", "c", "c", "soft-cap (Gemma 2's logit cap), c > 0", "scalar")
@@ -136,7 +181,10 @@ def variant_catalogue(key: str, cat_cls, section_cls):
         Bias = sy("Bias", r"\mathrm{Bias}_h", "Bias_h", "additive attention bias of head h (shared by the sequences)", "(Lq, Lk)")
         Sf = sy("S_h", "S_h", "S_h", "attention logits of head h", "(Lq, Lk)")
         fwd.append(F("(V4)", D_, Distance(), index="ij", kind="forward"))
-        fwd.append(F("(V4)", Sf, cur + Bias - PerHead(a, D_), kind="forward"))
+        if topk:
+            fwd.append(F("(TK2)", Sf, cur + Slots(Bias) - PerHead(a, Slots(D_)), kind="forward"))
+        else:
+            fwd.append(F("(V4)", Sf, cur + Bias - PerHead(a, D_), kind="forward"))
         cur = Sf
     Sf = cur
     mask0 = sy("mask0", r"\mathcal{M}^{0}", "𝓜⁰", "padding and causal structure (True = attend)", "(Lq, Lk)")
@@ -155,83 +203,149 @@ def variant_catalogue(key: str, cat_cls, section_cls):
             fwd.append(F("(V6)", Sg, SameSegment(qs, ks), index="ij", kind="forward"))
             parts.append(Sg)
         fwd.append(F("(A2)", mask, And(*parts), kind="forward"))
-    P = sy("P_h", "P_h", "P_h", "attention probabilities of head h; 0 where 𝓜 is False", "(Lq, Lk)")
+    if topk:
+        vld = sy("valid", r"\mathcal{V}", "𝓥", "valid slots: the slot names a key (j_s ≥ 0) that 𝓜 allows (True = attend)", "(Lq, K)")
+        fwd.append(F("(TK1)", vld, And(SlotsFilled(), Slots(mask)), kind="forward"))
+        mask = vld
+    P = sy("P_h", "P_h", "P_h", "attention probabilities of head h; 0 where 𝓜 is False" if not topk else
+           "attention probabilities of head h's slots; 0 where 𝓥 is False (a key listed twice: two slots)", LK)
     if "sinks" in on:
         z = sy("z", "z", "z", "learned sink logits, one per head (gpt-oss)", "(H,)")
         Ps = sy("Psink_h", r"P^{\mathrm{sink}}_h", "Pˢⁱⁿᵏ_h", "the sink's probability in each row (1 on a row with no allowed key)", "(Lq,)")
         fwd.append(F("(V2)", P, SinkSoftmax(Sf, mask, z), kind="forward"))
         fwd.append(F("(V2)", Ps, OneMinus(RowSum(P)), kind="forward"))
     else:
-        fwd.append(F("(A2)", P, MaskedSoftmax(Sf, mask), kind="forward"))
+        fwd.append(F("(TK3)" if topk else "(A2)", P, MaskedSoftmax(Sf, mask), kind="forward"))
+    if lse:
+        ls = sy("lse_h", r"\mathrm{lse}_h", "lse_h", "log of each row's softmax denominator (allowed keys and the sink); −∞ for a row with nothing to attend", "(Lq,)")
+        Gm = sy("Gamma", r"\Gamma", "Γ", "upstream gradient ∂L/∂lse (sdpa_backward's dlse)", "(Lq,)")
+        fwd.append(F("(LS1)", ls, LogSumExp(Sf, mask, z) if "sinks" in on else LogSumExp(Sf, mask), kind="forward"))
     Pv = P
     if "dropout" in on:
         Z = sy("Z", "Z_h", "Z_h", "dropout keep mask (attngrad.dropout_mask: a hash of seed, b, h, i, j)", "(Lq, Lk)")
         kap = sy("kappa", r"\kappa", "κ", "1/(1 − p), dropout's rescaling (p the dropout rate)", "scalar")
         Pv = sy("Pt_h", r"\tilde{P}_h", "P̃_h", "probabilities after dropout", "(Lq, Lk)")
-        fwd.append(F("(V3)", Pv, Scale(kap, Had(Z, P)), kind="forward"))
+        fwd.append(F("(TK4)" if topk else "(V3)", Pv, Scale(kap, Had(Slots(Z) if topk else Z, P)), kind="forward"))
     O = sy("O_h", "O_h", "O_h", "attention output of head h", "(Lq, Dv)")
-    fwd.append(F("(A3)", O, Pv @ V, kind="forward"))
-    fwd.append(F("(L1)", L, Einsum("", [(G, "bhie"), (O, "bhie")], batched=False), kind="forward"))
+    if topk:
+        fwd.append(F("(TK4)", O, Einsum("ie", [(Pv, "is"), (Vg, "ise")]), index="ie", kind="forward"))
+    else:
+        fwd.append(F("(A3)", O, Pv @ V, kind="forward"))
+    loss = Einsum("", [(G, "bhie"), (O, "bhie")], batched=False)
+    if lse:
+        fwd.append(F("(LS3)", L, loss + Einsum("", [(Gm, "bhi"), (ls, "bhi")], batched=False), kind="forward"))
+    else:
+        fwd.append(F("(L1)", L, loss, kind="forward"))
 
     def dsym(base: Sym, shape: str):
         return sy("d" + base.name, "d" + base.tex, "d" + base.txt, f"∂L/∂{base.txt}", shape)
 
     dO, dV = dsym(O, "(Lq, Dv)"), dsym(V, "(Lk, Dv)")
-    dP, dS = dsym(P, "(Lq, Lk)"), dsym(Sf, "(Lq, Lk)")
+    dP, dS = dsym(P, LK), dsym(Sf, LK)
     delta = sy("delta_h", r"\delta_h", "δ_h", "per-row correction: δ_i = Σ_j P_ij dP_ij = Σ_e dO_ie O_ie", "(Lq,)")
     bwd.append(F("(L1)", dO, G))
-    bwd.append(F("(A4)" if Pv is P else "(V3)", dV, Pv.T @ dO))
-    if "dropout" in on:
-        dPv = dsym(Pv, "(Lq, Lk)")
-        bwd.append(F("(A5)", dPv, dO @ V.T))
-        bwd.append(F("(V3)", dP, Scale(kap, Had(Z, dPv))))
+    if topk:
+        bwd.append(F("(TK5)", dV, ScatterRows(Einsum("ise", [(Pv, "is"), (dO, "ie")]))))
     else:
-        bwd.append(F("(A5)", dP, dO @ V.T))
+        bwd.append(F("(A4)" if Pv is P else "(V3)", dV, Pv.T @ dO))
+    dP_rhs = Einsum("is", [(dO, "ie"), (Vg, "ise")]) if topk else dO @ V.T
+    if "dropout" in on:
+        dPv = dsym(Pv, LK)
+        bwd.append(F("(TK5)" if topk else "(A5)", dPv, dP_rhs, index="is" if topk else ""))
+        bwd.append(F("(V3)", dP, Scale(kap, Had(Slots(Z) if topk else Z, dPv))))
+    else:
+        bwd.append(F("(TK5)" if topk else "(A5)", dP, dP_rhs, index="is" if topk else ""))
     bwd.append(F("(A6)", delta, RowSum(Had(dO, O))))
-    bwd.append(F("(A7)", dS, Had(P, dP - ColOnes(delta))))
+    row = delta
+    if lse:
+        row = sy("deltal_h", r"\delta'_h", "δ′_h", "per-row correction with the lse's gradient: δ′ = δ − Γ", "(Lq,)")
+        bwd.append(F("(LS3)", row, delta - Gm))
+    bwd.append(F("(LS3)" if lse else "(A7)", dS, Had(P, dP - ColOnes(row))))
     if "sinks" in on:
-        bwd.append(F("(V2)", dsym(z, "(H,)"), Neg(IndexSum(Had(Ps, delta), "b,i"))))
+        bwd.append(F("(LS3)" if lse else "(V2)", dsym(z, "(H,)"), Neg(IndexSum(Had(Ps, row), "b,i"))))
     if "alibi" in on:
-        bwd.append(F("(A10)", dsym(Bias, "(Lq, Lk)"), BatchSum(dS)))
-        bwd.append(F("(V4)", dsym(a, "(H,)"), Neg(IndexSum(Had(dS, D_), "b,i,j"))))
+        if topk:
+            bwd.append(F("(TK5)", dsym(Bias, "(Lq, Lk)"), BatchSum(ScatterKeys(dS))))
+            bwd.append(F("(TK5)", dsym(a, "(H,)"), Neg(IndexSum(Had(dS, Slots(D_)), "b,i,s"))))
+        else:
+            bwd.append(F("(A10)", dsym(Bias, "(Lq, Lk)"), BatchSum(dS)))
+            bwd.append(F("(V4)", dsym(a, "(H,)"), Neg(IndexSum(Had(dS, D_), "b,i,j"))))
     cur_d = dS
     if "alibi" in on and "softcap" in on:
-        dS1 = dsym(S1, "(Lq, Lk)")
+        dS1 = dsym(S1, LK)
         bwd.append(F("(V4)", dS1, dS))  # + Bias − a Δ passes dS through
         cur_d = dS1
     if "softcap" in on:
-        dS0 = dsym(S0, "(Lq, Lk)")
+        dS0 = dsym(S0, LK)
         bwd.append(F("(V1)", dS0, Had(cur_d, OneMinus(Had(T, T)))))
         cur_d = dS0
     elif "alibi" in on:
-        dS0 = dsym(S0, "(Lq, Lk)")
+        dS0 = dsym(S0, LK)
         bwd.append(F("(V4)", dS0, dS))
         cur_d = dS0
     dQ, dK = dsym(Q, "(Lq, D)"), dsym(K, "(Lk, D)")
-    bwd.append(F("(A8)", dQ, Scale(s, cur_d @ K)))
-    bwd.append(F("(A9)", dK, Scale(s, cur_d.T @ Q)))
+    if topk:
+        bwd.append(F("(TK5)", dQ, Scale(s, Einsum("id", [(cur_d, "is"), (Kg, "isd")])), index="id"))
+        bwd.append(F("(TK5)", dK, Scale(s, ScatterRows(Einsum("isd", [(cur_d, "is"), (Q, "id")])))))
+    else:
+        bwd.append(F("(A8)", dQ, Scale(s, cur_d @ K)))
+        bwd.append(F("(A9)", dK, Scale(s, cur_d.T @ Q)))
     if "scale" in on:
-        bwd.append(F("(V7)", dsym(s, "scalar"), IndexSum(Had(Q, cur_d @ K), "b,h,i,d", keep_heads=False)))
+        dS0K = Einsum("id", [(cur_d, "is"), (Kg, "isd")]) if topk else cur_d @ K
+        bwd.append(F("(V7)", dsym(s, "scalar"), IndexSum(Had(Q, dS0K), "b,h,i,d", keep_heads=False)))
 
     sections = [section_cls("forward", "Forward equations", _FORWARD_INTRO, tuple(fwd))]
     if "sinks" in on:
-        J = sy("J_h", "J", "J", "Jacobian of one row's key probabilities: J_i[k, j] = ∂P_ik/∂S_ij", "(Lq, Lk, Lk)")
-        Jz = sy("Jz_h", r"\partial P_h / \partial z_h", "∂P_h/∂z_h", "derivative of the probabilities by the sink logit", "(Lq, Lk)")
+        J = sy("J_h", "J", "J", "Jacobian of one row's key probabilities: J_i[k, j] = ∂P_ik/∂S_ij",
+               "(Lq, K, K)" if topk else "(Lq, Lk, Lk)")
+        Jz = sy("Jz_h", r"\partial P_h / \partial z_h", "∂P_h/∂z_h", "derivative of the probabilities by the sink logit", LK)
         soft.append(F("(V2)", J, SoftmaxJacobian(P), index="i"))
         soft.append(F("(V2)", Jz, Neg(Had(ColOnes(Ps), P))))
-        soft.append(F("(V2)", dS, Einsum("ij", [(J, "ikj"), (dP, "ik")]), index="ij", defines=False))
-        soft.append(F("(V2)", dsym(z, "(H,)"), IndexSum(Had(Jz, dP), "b,i,j"), defines=False))
+        if lse:  # (LS2): ∂lse/∂S = P, ∂lse/∂z = P^sink join the chain rule
+            soft.append(F("(LS2)", dS, Einsum("ij", [(J, "ikj"), (dP, "ik")]) + Had(P, ColOnes(Gm)), index="ij", defines=False))
+            soft.append(F("(LS2)", dsym(z, "(H,)"), IndexSum(Had(Jz, dP), "b,i,j") + IndexSum(Had(Ps, Gm), "b,i"), defines=False))
+        else:
+            soft.append(F("(V2)", dS, Einsum("ij", [(J, "ikj"), (dP, "ik")]), index="ij", defines=False))
+            soft.append(F("(V2)", dsym(z, "(H,)"), IndexSum(Had(Jz, dP), "b,i,j"), defines=False))
         sections.append(section_cls("softmax", "The softmax with a sink: its Jacobian", _SINK_INTRO, tuple(soft)))
     if "softcap" in on:
-        Tp = sy("Tp_h", r"\partial S^{1}_h / \partial S^{0}_h", "∂S¹_h/∂S⁰_h", "the soft-cap's local derivative, elementwise", "(Lq, Lk)")
+        Tp = sy("Tp_h", r"\partial S^{1}_h / \partial S^{0}_h", "∂S¹_h/∂S⁰_h", "the soft-cap's local derivative, elementwise", LK)
         chain.append(F("(V1)", Tp, OneMinus(Had(T, T))))
         sech2 = Func("sech²", r"\operatorname{sech}^2", Over(S0, c), lambda x: 1.0 / np.cosh(x) ** 2)
         chain.append(F("(V1)", dS0, Had(dS1 if "alibi" in on else dS, sech2), defines=False))
         sections.append(section_cls("chain", "The soft-cap's chain rule", _CAP_INTRO, tuple(chain)))
     sections.append(section_cls("backward", "Gradients (one head; Σ_b, Σ_h where a quantity is shared)", _BACKWARD_INTRO, tuple(bwd)))
     used = {sym.name for sec in sections for f in sec.formulas for sym in f.symbols()}
-    title = "today's attention variants (" + ", ".join(n for n in VARIANTS if n in on) + "), one head"
-    return cat_cls(key, {n: sym for n, sym in S.items() if n in used}, tuple(sections), title, NOTES, VARIANT_NOTATION)
+    title = "today's attention variants (" + ", ".join(n for n in ALL_VARIANTS if n in on) + "), one head"
+    notes, notation = NOTES, VARIANT_NOTATION
+    if topk:
+        notes += " " + TOPK_NOTES
+        notation += TOPK_NOTATION
+    if lse:
+        notes += " " + LSE_NOTES
+        notation += LSE_NOTATION
+    return cat_cls(key, {n: sym for n, sym in S.items() if n in used}, tuple(sections), title, notes, notation)
+
+
+TOPK_NOTATION = (
+    ("A[j_s]", r"A\left[j_s\right]", "row j_s of A: the key slot s of row i names (j_s = idx[b, h // G, i, s], −1 empty)"),
+    ("A[i, j_s]", r"A\left[i, j_s\right]", "an (Lq, Lk) structure read at row i's slots"),
+    ("Σ_{i,s: j_s = j}", r"\sum_{i,s:\, j_s = j}", "scatter-add: every slot's term added into the key it names"),
+)
+TOPK_NOTES = (
+    "Top-k (TK1-TK5): each row attends its K slots, gather semantics: a key listed twice is two "
+    "terms of the softmax and its dK, dV are the sum over both (the scatter-add); an empty slot "
+    "(−1) or one the mask forbids is not valid; a row with every slot empty has O = 0 and zero "
+    "gradients. Every (Lq, Lk) rule (mask, bias, ALiBi's distance, dropout's Z) is read at the slots."
+)
+LSE_NOTATION = (
+    ("logsumexp_{𝓜,z}(S)", r"\operatorname{logsumexp}_{\mathcal{M},z}(S)",
+     "log(exp(z_h) + Σ_j 𝓜_ij exp(S_ij)) per row (no sink term without sinks); −∞ with nothing allowed"),
+)
+LSE_NOTES = (
+    "The log-sum-exp as an output (LS1-LS4): ∂lse_i/∂S_ij = P_ij and ∂lse_i/∂z_h = P^sink_i, so "
+    "the loss ⟨O, G⟩ + ⟨lse, Γ⟩ changes only δ into δ′ = δ − Γ in (A7) and in dz; dV is unchanged."
+)
 
 
 _FORWARD_INTRO = (
@@ -264,8 +378,8 @@ def variant_env(names, q, k, v, g, options: Mapping | None = None) -> dict:
     (scale, the variants' values, key_lengths, causal).  ``mask0`` (padding and causal) is
     built by the library's one mask rule; the window and the segments are formulas of the
     catalogue (V5, V6), as are ALiBi's distances (V4)."""
-    on = set(parse_variants(names))
-    o = {**VARIANT_DEFAULTS, "scale": None, "key_lengths": None, "causal": False, **(options or {})}
+    on = set(parse_all_variants(names, VARIANTS)) - set(LAYER_ONLY_VARIANTS)
+    o = {**VARIANT_DEFAULTS, "kv_indices": None, "dlse": None, "scale": None, "key_lengths": None, "causal": False, **(options or {})}
     b, h, lq, d = q.shape  # (B, H, Lq, D)
     lk = k.shape[2]
     spec = make_mask_spec(np, b, h, lq, lk, key_lengths=o["key_lengths"], causal=o["causal"])
@@ -288,4 +402,9 @@ def variant_env(names, q, k, v, g, options: Mapping | None = None) -> dict:
     if "dropout" in on:
         env["Z"] = dropout_mask(o["dropout_seed"], (b, h, lq, lk), o["dropout_p"])
         env["kappa"] = 1.0 / (1.0 - o["dropout_p"])
+    if "topk" in on:  # (B, Hkv or 1, Lq, K) -> one list per query head (B, H, Lq, K)
+        idx = np.asarray(o["kv_indices"])
+        env["idx"] = np.repeat(idx, h // idx.shape[1], axis=1) if idx.shape[1] != h else idx
+    if "lse" in on:
+        env["Gamma"] = np.asarray(o["dlse"], dtype=np.float64)
     return env

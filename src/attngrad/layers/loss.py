@@ -43,6 +43,8 @@ def cross_entropy_forward(logits, targets, *, ignore_index: int = 0, label_smoot
         )
     v = logits.shape[-1]
     z = logits.reshape(-1, v)  # (N, V)
+    if z.dtype.kind != "f":  # integer logits: computed in float64, as exp(z - max(z)) would
+        z = z.astype(np.float64)
     t = targets.reshape(-1)  # (N,)
     valid = t != ignore_index  # (N,)
     tv = np.where(valid, t, 0)
@@ -50,15 +52,21 @@ def cross_entropy_forward(logits, targets, *, ignore_index: int = 0, label_smoot
         raise ValueError(f"targets must be in [0, {v}) or equal ignore_index={ignore_index}")
     n_valid = int(valid.sum())
     m = z.max(axis=-1, keepdims=True)  # (X1) (N, 1)
-    e = np.exp(z - m)  # (N, V)
+    e = np.subtract(z, m)  # (N, V) z - max(z), then exp in place: one (N, V) buffer
+    np.exp(e, out=e)
     s = e.sum(axis=-1, keepdims=True)  # (N, 1)
-    logp = z - m - np.log(s)  # (X1) (N, V)
+    log_s = np.log(s)  # (N, 1)
     rows = np.arange(z.shape[0])
-    nll = -logp[rows, tv]  # (X3) (N,)
-    smooth = -logp.mean(axis=-1)  # (X3) (N,) = -(1/V) sum_v logp
-    per = (1.0 - eps) * nll + eps * smooth  # (X2, X3) (N,)
+    nll = -(z[rows, tv] - m[:, 0] - log_s[:, 0])  # (X1, X3) (N,) -logp at the targets only
+    if eps:  # the smoothing term needs every logp: -(1/V) sum_v logp
+        smooth = -(z - m - log_s).mean(axis=-1)  # (X1, X3) (N,)
+        per = (1.0 - eps) * nll + eps * smooth  # (X2, X3) (N,)
+    else:  # eps = 0: (X3) is the target's term alone (and a -inf logit gives no 0 * inf NaN)
+        per = nll + nll.dtype.type(0)  # (X3) (N,) (+ 0: a -0 loss reads 0, as 1 * nll + 0 * smooth)
     loss = float(np.sum(np.where(valid, per, 0))) / n_valid if n_valid else 0.0  # (X3)
-    probs = np.where(valid[:, None], e / s, 0)  # (N, V)
+    probs = np.divide(e, s, out=e)  # (N, V) softmax(z), in place
+    if n_valid < valid.size:
+        probs[~valid] = 0  # ignored rows
     return loss, CrossEntropyCache(probs, tv, valid, n_valid, eps, tuple(logits.shape))
 
 

@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..runtime import fused
 from .linear import LinearCache, linear_backward, linear_forward
 
 SWIGLU_PARAMS = ("W_gate", "W_up", "W_down")
@@ -44,8 +45,42 @@ def init_swiglu(dim: int, hidden: int, rng: np.random.Generator, dtype="float64"
 
 
 def sigmoid(a):
-    """1 / (1 + exp(-a)), finite for every finite a (tanh form: no overflow)."""
-    return 0.5 * (1.0 + np.tanh(0.5 * a))
+    """1 / (1 + exp(-a)), finite for every finite a (tanh form: no overflow).  The steps of
+    ``0.5 * (1.0 + np.tanh(0.5 * a))`` in one buffer (the same bits, no temporaries)."""
+    if type(a) is not np.ndarray or a.dtype.kind != "f":
+        return 0.5 * (1.0 + np.tanh(0.5 * a))
+    s = np.multiply(a, 0.5)  # 0.5 a, in a's dtype
+    np.tanh(s, out=s)
+    np.add(s, 1.0, out=s)  # 1 + tanh
+    return np.multiply(s, 0.5, out=s)
+
+
+_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+_KERNELS = None  # (swiglu_product, swiglu_grad) once compiled, False when numba is missing
+
+
+def _kernels():
+    """The compiled elementwise loops (:mod:`._swiglu_kernels`) when the fused kernels are
+    enabled (:func:`attngrad.runtime.fused.enabled`), else None."""
+    global _KERNELS
+    if not fused.enabled():
+        return None
+    if _KERNELS is None:
+        try:
+            from . import _swiglu_kernels as k
+        except ImportError:  # pragma: no cover - numba missing
+            _KERNELS = False
+        else:
+            _KERNELS = (k.swiglu_product, k.swiglu_grad)
+    return _KERNELS or None
+
+
+def _compiled(*arrays) -> bool:
+    """The compiled loops' domain: C-contiguous NumPy arrays of one shape and one
+    float32/float64 dtype."""
+    a0 = arrays[0]
+    return (all(type(a) is np.ndarray for a in arrays) and a0.dtype in _FLOATS
+            and all(a.dtype == a0.dtype and a.shape == a0.shape and a.flags.c_contiguous for a in arrays))
 
 
 def swiglu_forward(params, h):
@@ -56,7 +91,11 @@ def swiglu_forward(params, h):
     a, gate = linear_forward({"W": params["W_gate"]}, h)  # (LL3) (..., F)
     u, up = linear_forward({"W": params["W_up"]}, h)  # (LL3) (..., F)
     sigma = sigmoid(a)  # (LL3) (..., F)
-    z = a * sigma * u  # (LL3) silu(a) * u  (..., F)
+    k = _kernels()
+    if k is not None and _compiled(a, sigma, u):
+        z = k[0](a.reshape(-1), sigma.reshape(-1), u.reshape(-1)).reshape(a.shape)  # (LL3) one pass
+    else:
+        z = a * sigma * u  # (LL3) silu(a) * u  (..., F)
     f, down = linear_forward({"W": params["W_down"]}, z)  # (LL3) (..., E)
     return f, SwiGLUCache(gate, up, down, a, u, sigma)
 
@@ -65,8 +104,14 @@ def swiglu_backward(df, cache: SwiGLUCache):
     """dF (..., E) -> (dH (..., E), {"W_gate", "W_up", "W_down"})."""
     a, u, sigma = cache.a, cache.u, cache.sigma
     dz, g_down = linear_backward(df, cache.down)  # (LL4) dW_down = z^T df, dz = df W_down^T
-    du = dz * (a * sigma)  # (LL4) (..., F)
-    da = dz * u * (sigma * (1.0 + a * (1.0 - sigma)))  # (LL4) silu'(a)  (..., F)
+    k = _kernels()
+    if k is not None and _compiled(dz, a, u, sigma):
+        du, da = k[1](dz.reshape(-1), a.reshape(-1), u.reshape(-1), sigma.reshape(-1),
+                      dz.dtype.type(1.0))  # (LL4) one pass, the same bits as the lines below
+        du, da = du.reshape(dz.shape), da.reshape(dz.shape)
+    else:
+        du = dz * (a * sigma)  # (LL4) (..., F)
+        da = dz * u * (sigma * (1.0 + a * (1.0 - sigma)))  # (LL4) silu'(a)  (..., F)
     dh_gate, g_gate = linear_backward(da, cache.gate)  # (LL4) (..., E)
     dh_up, g_up = linear_backward(du, cache.up)  # (LL4) (..., E)
     dh = dh_gate + dh_up  # (LL4) (..., E)

@@ -154,8 +154,9 @@ def _attention(out, snaps: list) -> str:
     lab_path = Path(out) / "attention" / "labels.json"
     labels = json.loads(lab_path.read_text()) if lab_path.exists() else {}
     html = ["<h2>Attention maps as training goes</h2>",
-            '<p class="note">One fixed held-out example, teacher-forced, at evaluation steps; '
-            "rows are queries, columns keys; each row sums to 1.</p>"]
+            '<p class="note">One fixed held-out example, teacher-forced, at step 0 (the random '
+            "start: no attention labels, only the task loss trains W^Q, W^K, W^V) and at evaluation "
+            "steps; rows are queries, columns keys; each row sums to 1.</p>"]
     chosen = [snaps[i] for i in _pick(len(snaps))]
     names = list(dict.fromkeys(n for _, per in snaps for n in per))
     for name in names:
@@ -167,9 +168,10 @@ def _attention(out, snaps: list) -> str:
             html.append(f"<p><b>step {step}</b></p><div class=\"figs\">")
             for layer, maps in enumerate(per[name]):
                 for h, m in enumerate(maps):
+                    top = float(np.max(m)) if m.size else 0.0  # each map on 0..its largest weight
                     html.append(heatmap(m, title=f"step {step}: layer {layer} head {h}", xlabel="key",
-                                        ylabel="query", xlabels=k, ylabels=q, vmin=0.0, vmax=1.0,
-                                        max_px=200))
+                                        ylabel="query", xlabels=k, ylabels=q, vmin=0.0,
+                                        vmax=top if top > 0 else 1.0, max_px=200))
             html.append("</div>")
     return "".join(html)
 

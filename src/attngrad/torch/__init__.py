@@ -5,9 +5,13 @@
 ``scaled_dot_product_attention`` replaces ``torch.nn.functional.scaled_dot_product_attention``
 and ``MultiheadAttention`` replaces ``torch.nn.MultiheadAttention`` (same constructor,
 parameters, state_dict keys, forward signature and mask conventions).  Their forward and
-backward are computed by attngrad (:func:`attngrad.sdpa_forward` / :func:`attngrad.sdpa_backward`,
-:func:`attngrad.mha_forward` / :func:`attngrad.mha_backward`) on the tensors' own device,
-through the array API path; torch autograd only chains them into the rest of a model.
+backward are computed by attngrad: the ``attngrad::sdpa`` custom op (:mod:`.ops`, opcheck-
+and ``torch.compile(fullgraph=True)``-clean) and :func:`attngrad.mha_forward` /
+:func:`attngrad.mha_backward`.  CPU tensors run on zero-copy NumPy views with
+``impl="auto"`` (the tiled/compiled path where it pays); other devices the dense path.
+``scaled_dot_product_attention`` also takes ``kv_indices=`` (top-k attention) and
+``return_lse=True``; ``varlen_attention`` takes packed sequences (``flash_attn_varlen_func``'s
+layout, the ``attngrad::varlen`` op).
 
 Needs the ``torch`` extra: ``pip install 'attngrad[torch]'``.
 """
@@ -23,5 +27,6 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from attngrad.torch.mha import MultiheadAttention
 from attngrad.torch.sdpa import scaled_dot_product_attention
+from attngrad.torch.varlen import varlen_attention
 
-__all__ = ["MultiheadAttention", "scaled_dot_product_attention"]
+__all__ = ["MultiheadAttention", "scaled_dot_product_attention", "varlen_attention"]

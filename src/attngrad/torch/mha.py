@@ -4,8 +4,9 @@ The module *is* a ``torch.nn.MultiheadAttention`` (a subclass): the same constru
 parameters, initialisation, state_dict keys and forward signature, so the two load each
 other's state_dicts and a model swaps one for the other.  Only ``forward`` differs: the
 whole layer, projections included, is :func:`attngrad.mha_forward` and its gradients
-:func:`attngrad.mha_backward` (docs/equations.md, M1-M9), in a ``torch.autograd.Function``
-on the tensors' own device.
+:func:`attngrad.mha_backward` (docs/equations.md, M1-M9), in a ``torch.autograd.Function``:
+CPU tensors on zero-copy NumPy views with ``impl="auto"`` (the tiled path where it pays),
+other devices the dense path on the tensors' own device.
 
 PyTorch's conventions are translated here, at the edge, and nowhere else:
 

@@ -27,13 +27,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from attngrad.core.lse import attention_lse
 from attngrad.core.options import attention_options
 from attngrad.core.problem import make_problem
 from attngrad.core.sdpa import forward, make_run, sdpa_backward
 from attngrad.core.tiled import TiledCache
 from attngrad.core.tiled.policy import Tiling, make_tiling
+from attngrad.core.topk import TopKCache
 
-TILED, DENSE = 1, 0
+TILED, DENSE, TOPK_TILED, TOPK_DENSE = 1, 0, 2, 3
 
 
 def _window(window: list[int]):
@@ -43,9 +45,11 @@ def _window(window: list[int]):
     return tuple(None if w < 0 else int(w) for w in window)
 
 
-def _options(bias, mask, key_mask, sinks, alibi, seed, causal, scale, softcap, window, dropout_p, to):
+def _options(bias, mask, key_mask, sinks, alibi, seed, causal, scale, softcap, window, dropout_p, to,
+             kv_indices=None):
     """attngrad's options record; ``to`` maps a tensor to the array the path takes."""
     return attention_options(
+        kv_indices=None if kv_indices is None else kv_indices.detach().numpy(),
         mask=None if mask is None else to(mask),
         key_mask=None if key_mask is None else to(key_mask),
         bias=None if bias is None else to(bias),
@@ -106,19 +110,39 @@ def sdpa_op(
     window: list[int],
     dropout_p: float,
     impl: str,
+    kv_indices: torch.Tensor | None = None,
+    want_lse: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(B, H, Lq, D), (B, Hkv, Lk, D), (B, Hkv, Lk, Dv) -> out (B, H, Lq, Dv) and residuals."""
+    """(B, H, Lq, D), (B, Hkv, Lk, D), (B, Hkv, Lk, Dv) -> out (B, H, Lq, Dv) and residuals.
+
+    kv_indices (B, Hkv|1, Lq, K) integer, CPU: top-k attention (TK1-TK5).  want_lse: the
+    ``lse`` output holds the row log-sum-exp (LS1) on every route (else only the tiled
+    routes fill it, as their residual)."""
     o_saved, lse, flat = _empty_residuals(q, v)
     if q.device.type != "cpu":  # the dense path on the tensors' own device (array API)
+        if kv_indices is not None:
+            raise ValueError(f"kv_indices (top-k attention) runs on CPU tensors; q is on {q.device}")
         options = _options(bias, mask, key_mask, sinks, alibi, seed, causal, scale, softcap, window, dropout_p,
                            lambda t: t)
-        out, _ = forward(q, k, v, options, make_run("dense"))  # (A1)-(A3)
+        out, cache = forward(q, k, v, options, make_run("dense"))  # (A1)-(A3)
+        if want_lse:
+            lse = attention_lse(cache).to(torch.float64)  # (LS1)
         meta = torch.tensor([DENSE, 0, 0, 0], dtype=torch.int64)
         return out.to(q.dtype).contiguous(), o_saved, lse, flat, meta
-    options = _options(bias, mask, key_mask, sinks, alibi, seed, causal, scale, softcap, window, dropout_p, _np)
-    out, cache = forward(_np(q), _np(k), _np(v), options, make_run(impl))  # (A1)-(A3), V1-V6
+    options = _options(bias, mask, key_mask, sinks, alibi, seed, causal, scale, softcap, window, dropout_p, _np,
+                       kv_indices)
+    out, cache = forward(_np(q), _np(k), _np(v), options, make_run(impl))  # (A1)-(A3), V1-V6, TK1-TK5
     out = torch.from_numpy(out).to(q.dtype).contiguous()  # (B, H, Lq, Dv), a fresh array
+    if isinstance(cache, TopKCache):
+        lse.numpy()[...] = cache.lse  # (TK3)
+        if cache.out is None:  # the dense top-k route: P recomputed in the backward
+            return out, o_saved, lse, flat, torch.tensor([TOPK_DENSE, 0, 0, 0], dtype=torch.int64)
+        o_saved.numpy()[...] = cache.out
+        block_q = -1 if cache.tiling.block_q is None else cache.tiling.block_q
+        return out, o_saved, lse, flat, torch.tensor([TOPK_TILED, block_q, 0, 0], dtype=torch.int64)
     if not isinstance(cache, TiledCache):
+        if want_lse:
+            lse.numpy()[...] = attention_lse(cache)  # (LS1) from the dense cache
         return out, o_saved, lse, flat, torch.tensor([DENSE, 0, 0, 0], dtype=torch.int64)
     o_saved.numpy()[...] = cache.out  # the cache's own O (not the caller's out)
     lse.numpy()[...] = cache.lse  # (FA1) float64
@@ -130,7 +154,8 @@ def sdpa_op(
 
 
 @sdpa_op.register_fake
-def _sdpa_fake(q, k, v, bias, mask, key_mask, sinks, alibi, seed, causal, scale, softcap, window, dropout_p, impl):
+def _sdpa_fake(q, k, v, bias, mask, key_mask, sinks, alibi, seed, causal, scale, softcap, window, dropout_p, impl,
+               kv_indices=None, want_lse=False):
     o_shape, _ = _residual_shapes(q, v)
     return (q.new_empty(o_shape), *_empty_residuals(q, v, torch.Tensor.new_empty), q.new_empty((4,), dtype=torch.int64, device="cpu"))
 
@@ -157,17 +182,29 @@ def sdpa_backward_op(
     window: list[int],
     dropout_p: float,
     impl: str,
+    kv_indices: torch.Tensor | None = None,
+    dlse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Closed-form gradients (A4)-(A10), (V1)-(V7): dq, dk, dv, dbias, dsinks, dalibi."""
+    """Closed-form gradients (A4)-(A10), (V1)-(V7), (TK5), (LS3): dq, dk, dv, dbias, dsinks,
+    dalibi.  dlse (B, H, Lq): the gradient of the ``lse`` output, or None."""
     args = (bias, mask, key_mask, sinks, alibi, seed, causal, scale, softcap, window, dropout_p)
     route, block_q, block_k, has_flat = (int(x) for x in meta.tolist())
     if q.device.type != "cpu":
         _, cache = forward(q, k, v, _options(*args, lambda t: t), make_run("dense"))  # P recomputed
-        grads = sdpa_backward(dout, cache)
+        grads = sdpa_backward(dout, cache, **({} if dlse is None else {"dlse": dlse.to(dout.dtype)}))
     else:
-        options = _options(*args, _np)
+        options = _options(*args, _np, kv_indices)
         qn, kn, vn = _np(q), _np(k), _np(v)
-        if route == TILED:  # the forward's cache, rebuilt from its residuals
+        if route == TOPK_TILED:  # the top-k forward's cache, rebuilt from its residuals
+            prob = make_problem(np, qn, kn, vn, options)
+            qc, kc, vc = (a.astype(prob.cdt, copy=False) for a in (qn, kn, vn))
+            tiling = make_tiling()
+            tiling = Tiling(None if block_q < 0 else block_q, None, tiling.threads, tiling.fused)
+            cache = TopKCache(qc, kc, vc, lse.numpy().astype(prob.cdt), o_saved.numpy().astype(prob.cdt, copy=False),
+                              None, None, prob, tiling)
+        elif route == TOPK_DENSE:  # P recomputed (O(Lq K))
+            _, cache = forward(qn, kn, vn, options, make_run("dense"))
+        elif route == TILED:  # the forward's cache, rebuilt from its residuals
             prob = make_problem(np, qn, kn, vn, options)
             qc, kc, vc = (a.astype(prob.cdt, copy=False) for a in (qn, kn, vn))
             saved = o_saved.numpy().astype(prob.cdt, copy=False)
@@ -176,7 +213,8 @@ def sdpa_backward_op(
             cache = TiledCache(qc, kc, vc, saved, lse.numpy(), flat.numpy() if has_flat else None, prob, tiling)
         else:  # the dense route keeps nothing: P recomputed
             _, cache = forward(qn, kn, vn, options, make_run("dense"))
-        grads = sdpa_backward(_np(dout), cache)
+        dn = _np(dout)
+        grads = sdpa_backward(dn, cache, **({} if dlse is None else {"dlse": _np(dlse).astype(dn.dtype)}))
         grads = {n: torch.from_numpy(np.asarray(g)) for n, g in grads.items()}
     cast = [grads[n].to(t.dtype).contiguous() for n, t in (("q", q), ("k", k), ("v", v))]
     extras = []
@@ -187,7 +225,7 @@ def sdpa_backward_op(
 
 @sdpa_backward_op.register_fake
 def _sdpa_backward_fake(dout, q, k, v, bias, mask, key_mask, sinks, alibi, seed, o_saved, lse, flat, meta, causal,
-                        scale, softcap, window, dropout_p, impl):
+                        scale, softcap, window, dropout_p, impl, kv_indices=None, dlse=None):
     # contiguous, as the real kernel returns them
     extras = [q.new_empty((0,)) if t is None else t.new_empty(t.shape) for t in (bias, sinks, alibi)]
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), *extras)
@@ -198,22 +236,33 @@ _TENSORS = ("q", "k", "v", "bias", "mask", "key_mask", "sinks", "alibi", "seed")
 
 
 def _setup_context(ctx, inputs, output):
-    ctx.static = dict(zip(_STATIC, inputs[len(_TENSORS):], strict=True))
+    n = len(_TENSORS) + len(_STATIC)
+    kv_indices, want_lse = (*inputs[n:], None, False)[:2]  # the two trailing defaults
+    ctx.static = dict(zip(_STATIC, inputs[len(_TENSORS):n], strict=True))
+    ctx.want_lse = bool(want_lse)
+    ctx.n_inputs = len(inputs)
     _, o_saved, lse, flat, meta = output
-    ctx.mark_non_differentiable(o_saved, lse, flat, meta)
+    # the lse carries a gradient (LS3) when it was asked for, else it is a residual
+    ctx.mark_non_differentiable(o_saved, flat, meta, *(() if want_lse else (lse,)))
     # saved through autograd: a backward after an in-place change of an input is refused
-    ctx.save_for_backward(*inputs[:len(_TENSORS)], o_saved, lse, flat, meta)
+    ctx.save_for_backward(*inputs[:len(_TENSORS)], kv_indices, o_saved, lse, flat, meta)
 
 
-def _backward(ctx, dout, *_residual_grads):
+def _backward(ctx, dout, _do_saved, dlse, *_residual_grads):
     saved = ctx.saved_tensors
-    tensors, residuals = saved[:len(_TENSORS)], saved[len(_TENSORS):]
+    tensors, kv_indices, residuals = saved[:len(_TENSORS)], saved[len(_TENSORS)], saved[len(_TENSORS) + 1:]
+    if not ctx.want_lse:
+        dlse = None
     if dout is None:
         dout = torch.zeros_like(tensors[0][..., :1].expand(*tensors[0].shape[:3], tensors[2].shape[3]))
-    dq, dk, dv, dbias, dsinks, dalibi = sdpa_backward_op(dout, *tensors, *residuals, **ctx.static)
+    extra = {} if kv_indices is None else {"kv_indices": kv_indices}
+    if dlse is not None:
+        extra["dlse"] = dlse
+    dq, dk, dv, dbias, dsinks, dalibi = sdpa_backward_op(dout, *tensors, *residuals, **ctx.static, **extra)
     bias, sinks, alibi = tensors[3], tensors[6], tensors[7]
-    return (dq, dk, dv, None if bias is None else dbias, None, None, None if sinks is None else dsinks,
-            None if alibi is None else dalibi, None, *(None,) * len(_STATIC))
+    grads = (dq, dk, dv, None if bias is None else dbias, None, None, None if sinks is None else dsinks,
+             None if alibi is None else dalibi, None, *(None,) * len(_STATIC))
+    return grads + (None,) * (ctx.n_inputs - len(grads))
 
 
 torch.library.register_autograd("attngrad::sdpa", _backward, setup_context=_setup_context)

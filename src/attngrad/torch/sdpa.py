@@ -21,7 +21,11 @@ module only translates PyTorch's conventions:
 Keyword extras (attngrad's options, docs/equations.md V1-V5): ``sinks=`` (H,) and
 ``alibi_slopes=`` (H,) or (B, H) tensors (their gradients flow when they require grad),
 ``softcap=`` c > 0, ``window=(left, right)`` (None = unbounded side; query i at position i
-under ``is_causal``, else bottom-right aligned) and ``impl=`` "auto", "tiled" or "dense".
+under ``is_causal``, else bottom-right aligned) and ``impl=`` "auto", "tiled" or "dense";
+``kv_indices=`` an integer tensor (..., Hkv|1, Lq, K): top-k sparse attention on CPU tensors
+(TK1-TK5; -1 = an empty slot, a repeated index counts twice); ``return_lse=True`` returns
+``(out, lse)``, lse (..., Hq, Lq) the log of each softmax row's denominator (LS1), both
+with gradients (the backward passes dlse to the closed form, LS3).
 
 A query row with no key to attend gives 0 and zero gradients (torch 2.13's math backend
 agrees; other torch backends and versions give NaN there).
@@ -104,6 +108,8 @@ def scaled_dot_product_attention(
     softcap=None,
     window=None,
     alibi_slopes=None,
+    kv_indices=None,
+    return_lse=False,
     impl="auto",
 ):
     """Drop-in for ``torch.nn.functional.scaled_dot_product_attention`` on attngrad's fast path.
@@ -116,7 +122,11 @@ def scaled_dot_product_attention(
 
     Extras: sinks (Hq,), softcap c > 0, window (left, right), alibi_slopes (Hq,) or
     (B, Hq) (B: the leading dims before the heads, flattened); impl "auto" (CPU: tiled or
-    dense by attngrad's size rule), "tiled" (CPU only) or "dense".
+    dense by attngrad's size rule), "tiled" (CPU only) or "dense".  kv_indices (CPU): an
+    integer tensor (..., Hkv, Lq, K) or (..., 1, Lq, K) (the dims before the heads those of
+    query, broadcast): query i of head h attends keys ``kv_indices[..., h // G, i, :]``, -1
+    an empty slot.  return_lse: return ``(out, lse)``, lse (..., Hq, Lq) in query's dtype,
+    -inf for a row with nothing to attend; a loss may use both.
     """
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
@@ -129,6 +139,8 @@ def scaled_dot_product_attention(
         raise ValueError(f"impl must be one of {list(IMPLS)}; got {impl!r}")
     if impl == "tiled" and query.device.type != "cpu":
         raise ValueError(f"impl='tiled' runs on CPU tensors; query is on {query.device}")
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool; got {type(return_lse).__name__}")
     q, k, v, lead = _to_bhld(query, key, value, enable_gqa)  # (B, H, Lq, D), (B, Hkv, Lk, D|Dv)
     bias = mask = None
     if attn_mask is not None:
@@ -143,12 +155,46 @@ def scaled_dot_product_attention(
                 f"{query.dtype}; got {attn_mask.dtype}"
             )
     p, seed = _dropout(dropout_p)
-    out = sdpa_op(
+    extra = {}
+    if kv_indices is not None:
+        extra["kv_indices"] = _indices(kv_indices, query, lead, q.shape[2])
+    if return_lse:
+        extra["want_lse"] = True
+    out, _, lse, _, _ = sdpa_op(
         q, k, v, bias, mask, None, _per_head("sinks", sinks, query), _per_head("alibi_slopes", alibi_slopes, query),
         seed, "top_left" if is_causal else "none", _real("scale", scale), _real("softcap", softcap, True),
-        _window_arg(window), p, impl,
-    )[0]  # (B, H, Lq, Dv)
-    return out.reshape(*lead, *out.shape[2:])  # (..., Hq, Lq, Dv)
+        _window_arg(window), p, impl, **extra,
+    )  # out (B, H, Lq, Dv), lse (B, H, Lq) float64
+    out = out.reshape(*lead, *out.shape[2:])  # (..., Hq, Lq, Dv)
+    if not return_lse:
+        return out
+    return out, lse.to(out.dtype).reshape(*lead, lse.shape[2])  # (..., Hq, Lq)
+
+
+def _indices(kv_indices, query, lead: tuple, lq: int):
+    """kv_indices (*batch, Hkv|1, Lq, K) (batch: query's dims before the heads, broadcast;
+    (Lq, K) for a 2-D query) -> (B, Hkv|1, Lq, K) on the CPU.  Dtype and values are the core's
+    to check (TypeError / ValueError naming kv_indices)."""
+    if not isinstance(kv_indices, torch.Tensor):
+        raise TypeError(f"kv_indices must be an integer torch.Tensor or None; got {type(kv_indices).__name__}")
+    if kv_indices.device.type != "cpu" or query.device.type != "cpu":
+        raise ValueError(
+            f"kv_indices (top-k attention) runs on CPU tensors; got kv_indices on {kv_indices.device}, "
+            f"query on {query.device}"
+        )
+    if not lead:  # a 2-D query (L, D)
+        if kv_indices.dim() != 2:
+            raise ValueError(f"kv_indices must be (Lq, K) for a 2-D query; got shape {tuple(kv_indices.shape)}")
+        return kv_indices.reshape(1, 1, *kv_indices.shape)
+    batch = lead[:-1]
+    want = f"(*{tuple(batch)}, Hkv or 1, Lq={lq}, K)" if batch else f"(Hkv or 1, Lq={lq}, K)"
+    if kv_indices.dim() != len(batch) + 3:
+        raise ValueError(f"kv_indices must have shape {want}; got {tuple(kv_indices.shape)}")
+    try:
+        idx = kv_indices.expand(*batch, *kv_indices.shape[-3:])
+    except RuntimeError:
+        raise ValueError(f"kv_indices must have shape {want}; got {tuple(kv_indices.shape)}") from None
+    return idx.reshape(math.prod(batch), *kv_indices.shape[-3:])
 
 
 def _broadcast(shapes: dict, what: str) -> tuple:

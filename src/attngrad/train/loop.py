@@ -232,6 +232,8 @@ def train(cfg: TrainConfig, out, *, resume=None, progress=True, plots=True, hook
             if board is not None:
                 board.add(rec)
 
+        if writer and step == 0:  # the random start: the maps before any training
+            save_attention_snapshot(*attention_for(params, cfg, example, labels), out, 0)
         t_start = time.perf_counter()
         while step < cfg.steps:
             draw = stream.next if dp is None else (lambda: dp.local_batch(stream.next()))

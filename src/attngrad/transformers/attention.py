@@ -10,7 +10,15 @@ transformers' conventions -> attngrad's options (the ``attngrad::sdpa`` op):
 - ``sliding_window`` w: query i sees keys i - w + 1 .. i (transformers'
   ``kv_idx > q_idx - w``) -> ``window=(w - 1, None)``;
 - ``s_aux`` -> ``sinks=``, ``softcap`` -> ``softcap=``, ``scaling`` -> ``scale=``,
-  ``dropout`` -> dropout with a seed from torch's RNG, ``position_bias`` -> ``bias=``.
+  ``dropout`` -> dropout with a seed from torch's RNG, ``position_bias`` -> ``bias=``;
+- packed sequences (``cu_seq_lens_q``, ``cu_seq_lens_k``, ``max_length_q``,
+  ``max_length_k``, as a padding-free collator passes them): the batch flattened to
+  (B L, H, D) -> :func:`attngrad.torch.varlen_attention` (causal and the window
+  bottom-right per sequence).  An ``attention_mask`` passed with them must allow every
+  pair they allow (batch 1: within each sequence causal AND the window); what it allows
+  across sequences is cut by them, as FlashAttention's varlen path does (transformers'
+  sliding-window mask spans the whole pack).  A mask that forbids a pair inside a
+  sequence (padding) is refused, never silently dropped.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from transformers.masking_utils import sdpa_mask
 
 from attngrad.torch.ops import sdpa_op
 from attngrad.torch.sdpa import _dropout
+from attngrad.torch.varlen import varlen_attention
 
 # keywords transformers passes along that do not change attention's result
 HARMLESS = frozenset({
@@ -32,11 +41,9 @@ HARMLESS = frozenset({
 REFUSED = {
     "output_attentions": "attention weights are not returned (attngrad keeps no (Lq x Lk) matrix)",
     "head_mask": "a per-head multiplier of the weights is not an attngrad option",
-    "cu_seq_lens_q": "packed sequences (varlen) are not taken by attn_implementation='attngrad' yet",
-    "cu_seq_lens_k": "packed sequences (varlen) are not taken by attn_implementation='attngrad' yet",
-    "max_length_q": "packed sequences (varlen) are not taken by attn_implementation='attngrad' yet",
-    "max_length_k": "packed sequences (varlen) are not taken by attn_implementation='attngrad' yet",
 }
+# packed sequences: taken together by the varlen path
+PACKED = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
 def attention_mask(*args, **kwargs):
@@ -113,7 +120,11 @@ def attention_forward(
     **kwargs,
 ):
     """transformers' attention-function signature -> ``(out (B, Lq, H, Dv), None)``."""
+    packed = {name: kwargs.pop(name, None) for name in PACKED}
     _refuse(kwargs)
+    if packed["cu_seq_lens_q"] is not None or packed["cu_seq_lens_k"] is not None:
+        return _packed_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal,
+                               sliding_window, softcap, s_aux, position_bias, packed), None
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{name} must be a 4-D tensor (B, heads, L, D); got {getattr(t, 'shape', t)!r}")
@@ -157,3 +168,82 @@ def attention_forward(
         None if scaling is None else float(scaling), None if softcap is None else float(softcap), win, p, "auto",
     )[0]  # (B, H, Lq, Dv)
     return out.transpose(1, 2).contiguous(), None  # (B, Lq, H, Dv)
+
+
+def _packed_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, sliding_window,
+                    softcap, s_aux, position_bias, packed: dict):
+    """Packed sequences -> :func:`attngrad.torch.varlen_attention` -> (B, L, H, Dv)."""
+    cu_q, cu_k = packed["cu_seq_lens_q"], packed["cu_seq_lens_k"]
+    if cu_q is None or cu_k is None:
+        missing = "cu_seq_lens_k" if cu_k is None else "cu_seq_lens_q"
+        raise ValueError(f"attn_implementation='attngrad' takes packed sequences with both cu_seq_lens_q and "
+                         f"cu_seq_lens_k; {missing} is None")
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D tensor (B, heads, L, D); got {getattr(t, 'shape', t)!r}")
+    if position_bias is not None:
+        raise ValueError("attn_implementation='attngrad' cannot honour position_bias with packed sequences "
+                         "(cu_seq_lens_q): the varlen path is bias-free")
+    left = _window_left(sliding_window, "sliding_window")
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    if left is not None and not causal:
+        raise ValueError(f"attn_implementation='attngrad' cannot honour sliding_window={sliding_window} without "
+                         "a causal rule on packed sequences")
+    if attention_mask is not None and not _mask_is_packed(attention_mask, query, key, cu_q, cu_k, causal, left):
+        raise ValueError(
+            "attn_implementation='attngrad' cannot honour an attention_mask that forbids pairs "
+            "cu_seq_lens_q / cu_seq_lens_k allow (each sequence causal and windowed, batch 1); pass the "
+            "packed sequences without a mask, or the mask without them"
+        )
+    if s_aux is not None and not isinstance(s_aux, torch.Tensor):
+        raise TypeError(f"s_aux (attention sinks) must be a tensor (H,); got {type(s_aux).__name__}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be > 0 or None; got {softcap!r}")
+    b, h, lq, _ = query.shape
+
+    def flat(t):  # (B, heads, L, X) -> (B L, heads, X)
+        return t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3])
+
+    def length(x):
+        return int(x) if isinstance(x, torch.Tensor) else x
+
+    out = varlen_attention(
+        flat(query), flat(key), flat(value), cu_q.to("cpu"), cu_k.to("cpu"),
+        length(packed["max_length_q"]), length(packed["max_length_k"]),
+        dropout_p=dropout, scale=None if scaling is None else float(scaling), causal=bool(causal),
+        window=None if left is None else (left, None), softcap=None if softcap is None else float(softcap),
+        sinks=s_aux,
+    )  # (B L, H, Dv)
+    return out.reshape(b, lq, h, out.shape[-1])
+
+
+def _mask_is_packed(mask, query, key, cu_q, cu_k, causal: bool, left) -> bool:
+    """Whether a boolean mask (1, 1|H, Lq, Lk) allows every pair the packed sequences' own
+    rule allows (the pairs across sequences it may allow too: the sequences cut them)."""
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 4:
+        return False
+    lq, lk = query.shape[2], key.shape[2]
+    if query.shape[0] != 1 or mask.shape[0] != 1 or tuple(mask.shape[2:]) != (lq, lk):
+        return False
+    cu_q, cu_k = cu_q.to(mask.device, torch.int64), cu_k.to(mask.device, torch.int64)
+    if cu_q.dim() != 1 or cu_q.shape != cu_k.shape or cu_q.numel() < 1:
+        return False
+    iq, jk = torch.arange(lq, device=mask.device), torch.arange(lk, device=mask.device)
+    seg_q = torch.searchsorted(cu_q[1:], iq, right=True)  # sequence of each query row (B past the end)
+    seg_k = torch.searchsorted(cu_k[1:], jk, right=True)
+    nseq = cu_q.numel() - 1
+    in_q, in_k = seg_q < nseq, seg_k < nseq
+    sq, sk = seg_q.clamp(max=max(nseq - 1, 0)), seg_k.clamp(max=max(nseq - 1, 0))
+    if nseq == 0:
+        rule = torch.zeros(lq, lk, dtype=torch.bool, device=mask.device)
+    else:
+        # bottom-right positions per sequence: pos(i) = i - q0 + Lk_b - Lq_b, key j at j - k0
+        lq_b, lk_b = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
+        pos = iq - cu_q[sq] + (lk_b - lq_b)[sq]
+        kpos = jk - cu_k[sk]
+        rule = (sq[:, None] == sk[None, :]) & in_q[:, None] & in_k[None, :]
+        if causal:
+            rule &= kpos[None, :] <= pos[:, None]
+        if left is not None:
+            rule &= kpos[None, :] >= pos[:, None] - left
+    return not bool((rule[None] & ~mask[0]).any())

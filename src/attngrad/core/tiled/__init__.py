@@ -38,6 +38,7 @@ import numpy as np
 from ...runtime import fused
 from ...runtime.parallel import wake_units
 from ..dense import reduce_to_shape
+from ..lse_grad import alibi_lse_term, flat_lse_fix
 from ..problem import Problem
 from . import compiled, loop
 from .cache import TiledCache, tile_buf, worker_scratch
@@ -64,6 +65,7 @@ from .masks import (
     TileMasks,
     compiled_loops,
     covered,
+    interval,
     interval_flat_rows,
 )
 from .policy import (
@@ -163,12 +165,13 @@ def tiled_forward(q, k, v, prob: Problem, tiling: Tiling, result=None, keep_resu
     return res.astype(prob.dtype, copy=False), cache
 
 
-def tiled_backward(dout, cache: TiledCache, out: dict | None = None) -> dict:
+def tiled_backward(dout, cache: TiledCache, out: dict | None = None, dlse=None) -> dict:
     """Closed-form gradients (A4-A10, V1-V7) recomputing P tile by tile (FA2); dOut
     validated.  Returns the keys :func:`attngrad.sdpa_backward` documents.  ``out``: some
     of "q", "k", "v" to arrays of the compute dtype and the gradients' shapes, any strides,
     sharing no memory with what the backward reads (the caller checks): those gradients are
-    formed there (no copy into the layer's merged-heads buffer)."""
+    formed there (no copy into the layer's merged-heads buffer).  ``dlse``: (B, H, Lq), the
+    lse's upstream gradient (LS3), or None."""
     prob, q = cache.problem, cache.q
     B, H, Hkv, Lq, Lk, D, Dv = prob.shape
     cdt = q.dtype
@@ -185,14 +188,23 @@ def tiled_backward(dout, cache: TiledCache, out: dict | None = None) -> dict:
     )
     plan = LoopPlan(bq, bk, cache.tiling.threads, fused.kernels() if cache.tiling.fused else None)
     db, finite = None, True
-    if loops is not None:  # (the compiled loops' units zero their own rows of dQ, dK, dV)
-        finite = compiled.backward(cache, do_all, grads, loops, Blocks(bq, bk, plan.threads))
+    dl = None if dlse is None else np.asarray(dlse, dtype=np.float64)  # (B, H, Lq)
+    if dl is not None and not np.isfinite(dl).all():
+        finite = False  # the dense path's NaN pattern (0 * NaN on rows with no key too)
+    elif loops is not None:  # (the compiled loops' units zero their own rows of dQ, dK, dV)
+        finite = compiled.backward(cache, do_all, grads, loops, Blocks(bq, bk, plan.threads), dl)
+        if finite and dl is not None:
+            flat_lse_fix(cache, dl, grads, lambda b: interval(loops, b))  # (LS4)
     else:
         _zero(grads)
-        db, finite = loop.backward(cache, do_all, grads, plan)
+        db, finite = loop.backward(cache, do_all, grads, plan, dl)
     if not finite:  # the dense path's NaN pattern: no tile skipped
         _zero(grads)
-        db, _ = loop.backward(cache, do_all, grads, plan._replace(full=True))
+        db, _ = loop.backward(cache, do_all, grads, plan._replace(full=True), dl)
+    if dl is not None:
+        fix = alibi_lse_term(np, prob, dl, lambda: cache.lse > -np.inf)  # (LS4)
+        if fix is not None:
+            grads.per_head[..., 0] -= fix
     result = {"q": grads.dq, "k": grads.dk, "v": grads.dv}
     per_head = grads.per_head
     if db is not None:

@@ -138,6 +138,7 @@ class BwdCall(NamedTuple):
     sums: Array  # (spans, B, H, 3) float64: dslope, dscale, the delta check per span and head
     rules: list  # per batch row: its Rule
     variants: list  # per head b * H + h: its Variant
+    dlse: Array | None = None  # (B, H, Lq) float64: the lse's upstream gradient (LS3), or None
 
 
 class Unit(NamedTuple):
@@ -169,6 +170,8 @@ def _backward_head(call: BwdCall, unit: Unit, h: int, kv: tuple, zero_kv: bool, 
     flat = _NO_ROWS if cache.flat is None else np.ascontiguousarray(index_bh(cache.flat, b, h))  # (Lq,)
     do = np.ascontiguousarray(call.do[b, h])  # (Lq, Dv)
     delta = preprocess_delta(do, cache.out[b, h])  # (A6) (Lq,) float64 (each span of the head alike)
+    if call.dlse is not None:
+        delta = delta - call.dlse[b, h]  # (LS3) dS = P (dP - delta'), delta' = delta - dlse
     arrays = BwdArrays(np.ascontiguousarray(cache.q[b, h]), kh, vh, do, cache.lse[b, h], delta,
                        dq_h, grads.dk[b, hk, k0:k1], grads.dv[b, hk, k0:k1], flat)
     span = KeySpan(k0, prob.shape.lk, zero_kv, *scratch)
@@ -179,9 +182,11 @@ def _backward_head(call: BwdCall, unit: Unit, h: int, kv: tuple, zero_kv: bool, 
         sink_grad(grads.per_head, head_of(prob, b, h), cache.lse[b, h], delta)
 
 
-def backward(cache, do_all, grads: Grads, loops: Loops, blocks: Blocks) -> bool:
+def backward(cache, do_all, grads: Grads, loops: Loops, blocks: Blocks, dlse=None) -> bool:
     """The backward of every head into ``grads`` (A4-A9, V1, V2, V4, V7).  Returns whether
-    delta, and Q and dQ in the rows that attend a key, are finite everywhere."""
+    delta, and Q and dQ in the rows that attend a key, are finite everywhere.  ``dlse``:
+    (B, H, Lq) float64 (LS3) or None; constant-softmax rows get dS = 0 here (the caller adds
+    their dlse term, LS4)."""
     prob = cache.problem
     B, H, Hkv, _, Lk = prob.shape[:5]
     G = prob.shape.group
@@ -189,7 +194,7 @@ def backward(cache, do_all, grads: Grads, loops: Loops, blocks: Blocks) -> bool:
     scale = float(prob.scale)
     rules = [Rule(scale, blocks.block_q, blocks.block_k, *interval(loops, b)) for b in range(B)]
     variants = [variant(prob, head_of(prob, b, h)) for b in range(B) for h in range(H)]
-    call = BwdCall(cache, do_all, grads, loops, blocks, spans, np.zeros((len(spans), B, H, 3)), rules, variants)
+    call = BwdCall(cache, do_all, grads, loops, blocks, spans, np.zeros((len(spans), B, H, 3)), rules, variants, dlse)
     shares = DqShares(grads.dq, len(spans), G)
     scratch: dict = {}
 

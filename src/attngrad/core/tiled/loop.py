@@ -77,6 +77,7 @@ class HeadRows(NamedTuple):
     delta: Array  # (Lq,) (A6)
     lse: Array  # (Lq,) (FA1), +inf for rows that attend nothing
     flat: Array | None  # (Lq,) bool: rows with a constant softmax
+    dlse: Array | None = None  # (Lq,) float64: the lse's upstream gradient (LS3), or None
 
 
 class Acc(NamedTuple):
@@ -163,6 +164,9 @@ def tile_grads(run: HeadRun, tile: Tile, probs: tuple, ops: TileOps, rows: HeadR
     flat = rows.flat
     if flat is not None and flat[q0:q1].any():
         ds[flat[q0:q1]] = 0  # (A7) constant softmax rows: dS = 0 exactly
+        if rows.dlse is not None:  # (LS4) there dS = P * dlse
+            fl = flat[q0:q1]
+            ds[fl] = p[fl] * rows.dlse[q0:q1][fl, None]
     if acc.db is not None:
         _add_bias_grad(acc.db, ds, tile)  # (A10)
     if prob.alibi is not None:  # (V4)
@@ -335,10 +339,11 @@ class Grads(NamedTuple):
     per_head: Array  # (B, H, 3) float64: dslope, dscale, dsink
 
 
-def backward(cache, do_all, grads: Grads, plan: LoopPlan):
+def backward(cache, do_all, grads: Grads, plan: LoopPlan, dlse=None):
     """The backward of every head (A4-A10, V1-V7) into ``grads``.  Returns ``(db,
     finite)``: the bias gradient (float64, the bias's broadcast shape) or None, and
-    whether delta, dQ and dK are finite everywhere."""
+    whether delta, dQ and dK are finite everywhere.  ``dlse``: (B, H, Lq) float64, the
+    lse's upstream gradient (LS3), or None."""
     prob = cache.problem
     q, k, v = cache.q, cache.k, cache.v
     if plan.full:
@@ -367,8 +372,10 @@ def backward(cache, do_all, grads: Grads, plan: LoopPlan):
                 qh = q_raw * prob.scale if prob.fold else q_raw  # (Lq, D) as the forward used it
                 do = do_all[b, h]  # (Lq, Dv)
                 delta = preprocess_delta(do, cache.out[b, h])  # (A6) (Lq,)
+                dl = None if dlse is None else dlse[b, h]
+                delta = delta if dl is None else delta - dl  # (LS3) delta' = delta - dlse
                 lse = _backward_lse(cache.lse[b, h], plan.full)  # (Lq,)
-                rows = HeadRows(do, delta, lse, None if cache.flat is None else cache.flat[b, h])
+                rows = HeadRows(do, delta, lse, None if cache.flat is None else cache.flat[b, h], dl)
                 db = None if db_all is None else index_bh(db_all, b, h)
                 acc = Acc(grads.dq[b, h], grads.dk[b, hk], grads.dv[b, hk], db, grads.per_head[b, h])
                 for k0 in range(0, Lk, bk):
