@@ -10,7 +10,9 @@ Both use causal ``scaled_dot_product_attention``-equivalent maths, cross-entropy
 attngrad's schedule at each step.  Each text batch is random windows of bytes.
 
 Timing is round-robin (one step of attngrad, one of PyTorch, repeated), each thread
-count in a fresh child process (OMP/MKL/OpenBLAS threads set before NumPy and torch load);
+count in a fresh child process (OMP/MKL/OpenBLAS threads set before NumPy and torch load,
+the child pinned to that many CPUs: attngrad's attention workers count the CPUs it may
+run on, so without the pin "1 thread" would give its tiled attention every core);
 reported per round: the ratio attngrad / PyTorch (median, min, max over rounds), and
 tokens/s (B x T / median step time) of each, with the load average before and after.
 
@@ -130,7 +132,20 @@ def torch_twin(model: str, params: dict, mcfg, torch):
 # ---------------------------------------------------------------- one child: one thread count
 
 
+def pin_cpus(n: int) -> list:
+    """Run this process on ``n`` of its CPUs (where the OS has affinity masks), so that
+    "n threads" holds for both sides: attngrad's attention workers count the CPUs of the
+    affinity mask (``attngrad.runtime.parallel.available_cores``), not OMP_NUM_THREADS."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, set(cpus[:n]))
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return []
+
+
 def run_child(args) -> list:
+    cpus = pin_cpus(args.threads)  # before attngrad reads the core count
     import numpy as np
     import torch
 
@@ -194,7 +209,7 @@ def run_child(args) -> list:
                 "first_loss": l0, "ms": {k: v * 1e3 for k, v in med.items()},
                 "tokens_per_s": {k: b * t / v for k, v in med.items()},
                 "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
-                "rounds": len(ratios),
+                "rounds": len(ratios), "cpus": cpus,
             })
     return rows
 

@@ -331,3 +331,155 @@ class TorchKernel:
 
 
 causal_swap_kernel = TorchKernel("causal_swap")
+
+
+# --------------------------------------------------------------------------- issue 31: top-k, lse, varlen
+
+FRONTIER_MUTANTS = {  # mutant -> the family that must catch it
+    "topk_dup_once": "topk",  # a key listed twice in a row counted once
+    "topk_minus1_as_0": "topk",  # -1 (empty) slots read as key 0
+    "topk_dsink_sign": "topk",  # dsinks with the wrong sign under top-k
+    "lse_no_dlse": "lse",  # the lse returned, its gradient dlse ignored in the backward
+    "varlen_tail_unwritten": "varlen",  # gradient rows past the last sequence never written
+    "varlen_zero_length": "varlen",  # a sequence with no keys gives 0 / 0 (NaN) rows
+    "varlen_causal_top_left": "varlen",  # per-sequence causal aligned top-left
+}
+
+
+class FrontierKernel:
+    """An explicit-protocol kernel over attngrad's core (sdpa_forward with kv_indices,
+    attention_lse, sdpa_varlen_*), each ``mutant`` planting one bug of FRONTIER_MUTANTS in
+    the inputs it passes or the answers it returns.  Its backward takes ``out=`` buffers."""
+
+    attngrad_features = frozenset({"gqa", "dv", "mask", "padding", "fully_masked", "causal", "causal_top_left",
+                                   "causal_bottom_right", "sinks", "softcap", "alibi", "window", "topk",
+                                   "lse", "varlen", "float64"})
+
+    def __init__(self, mutant: str | None = None):
+        assert mutant in (None, *FRONTIER_MUTANTS), mutant
+        self.mutant = mutant
+
+    def forward(self, q, k, v, *cu, return_lse=False, **options):
+        import attngrad
+
+        if cu:  # varlen
+            cu_q, cu_k = (np.asarray(c, np.int64) for c in cu)
+            causal = options.pop("causal", False)
+            if causal and self.mutant == "varlen_causal_top_left":
+                causal = "top_left"
+            out, cache = attngrad.sdpa_varlen_forward(q, k, v, cu_q, cu_k, causal=causal, **options)
+            if self.mutant == "varlen_zero_length":
+                for b in range(len(cu_q) - 1):
+                    if cu_k[b + 1] == cu_k[b]:
+                        out[cu_q[b]:cu_q[b + 1]] = np.nan  # 0 / 0
+            return out, ("varlen", cache, int(cu_q[-1]), int(cu_k[-1]))
+        idx = options.get("kv_indices")
+        if idx is not None:
+            idx = np.array(idx)
+            if self.mutant == "topk_minus1_as_0":
+                idx[idx < 0] = 0
+            if self.mutant == "topk_dup_once":
+                for s in range(1, idx.shape[-1]):
+                    seen = (idx[..., :s] == idx[..., s:s + 1]).any(axis=-1)
+                    idx[..., s] = np.where(seen & (idx[..., s] >= 0), -1, idx[..., s])
+            options["kv_indices"] = idx
+        out, cache = attngrad.sdpa_forward(q, k, v, **options)
+        ctx = ("dense", cache)
+        if return_lse:
+            return (out, attngrad.attention_lse(cache)), ctx
+        return out, ctx
+
+    def backward(self, dout, ctx, out=None, dlse=None):
+        import attngrad
+
+        if ctx[0] == "varlen":
+            _, cache, end_q, end_k = ctx
+            grads = attngrad.sdpa_varlen_backward(dout, cache)
+            if out is not None:
+                for n, a in out.items():
+                    end = end_q if n == "q" else end_k
+                    rows = end if self.mutant == "varlen_tail_unwritten" else a.shape[0]
+                    a[:rows] = grads[n][:rows]
+                    grads[n] = a
+            return grads
+        if self.mutant == "lse_no_dlse":
+            dlse = None
+        grads = attngrad.sdpa_backward(dout, ctx[1], out=out, dlse=dlse)
+        if self.mutant == "topk_dsink_sign" and "sinks" in grads:
+            grads["sinks"] = -grads["sinks"]
+        return grads
+
+
+def torch_sdpa_lse(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                   enable_gqa=False):
+    """A correct plain-torch kernel with scaled_dot_product_attention's signature returning
+    (out, lse): lse = log of the softmax's denominator, -inf for a row with nothing allowed."""
+    import torch
+
+    if enable_gqa:
+        g = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(g, dim=1), value.repeat_interleave(g, dim=1)
+    s = (query @ key.transpose(-1, -2)) * scale
+    allowed = torch.ones(s.shape, dtype=torch.bool)
+    if is_causal:
+        allowed = allowed & torch.ones(s.shape[-2:], dtype=torch.bool).tril()
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            allowed = allowed & attn_mask
+        else:
+            allowed = allowed & (attn_mask > -float("inf"))
+            s = s + attn_mask
+    s = s.masked_fill(~allowed, -float("inf"))
+    m = s.amax(dim=-1, keepdim=True).detach()
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    e = torch.exp(s - m)
+    z = e.sum(dim=-1, keepdim=True)
+    p = e / torch.where(z > 0, z, torch.ones_like(z))
+    lse = torch.where(z > 0, m + torch.log(torch.where(z > 0, z, torch.ones_like(z))),
+                      torch.full_like(z, -float("inf")))[..., 0]
+    out = p @ torch.where(allowed.any(dim=-2)[..., None], value, torch.zeros_like(value))
+    return out, lse
+
+
+torch_sdpa_lse.attngrad_features = {"gqa", "dv", "mask", "padding", "fully_masked", "causal", "causal_top_left",
+                                    "causal_bottom_right", "bias", "lse", "float64", "float32"}
+
+
+def flash_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                      softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                      deterministic=False, return_attn_probs=False, top_left=False):
+    """A correct plain-torch kernel with flash_attn_varlen_func's signature: flash_func per
+    sequence (bottom-right per sequence), 0 for a sequence with no keys and for rows past the
+    last sequence.  ``top_left=True`` plants the per-sequence top-left causal bug."""
+    import torch
+
+    pieces = []
+    for b in range(len(cu_seqlens_q) - 1):
+        q0, q1 = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
+        k0, k1 = int(cu_seqlens_k[b]), int(cu_seqlens_k[b + 1])
+        if q1 == q0:
+            continue
+        if k1 == k0:
+            pieces.append(torch.zeros((q1 - q0, q.shape[1], v.shape[2]), dtype=q.dtype))
+            continue
+        kk, vv = k[None, k0:k1], v[None, k0:k1]
+        if top_left and causal and q1 - q0 < k1 - k0:  # positions counted from the top-left
+            kk, vv = kk[:, :q1 - q0], vv[:, :q1 - q0]
+        pieces.append(flash_func(q[None, q0:q1], kk, vv, dropout_p, softmax_scale, causal, window_size,
+                                 softcap, alibi_slopes)[0])
+    tail = q.shape[0] - int(cu_seqlens_q[-1])
+    pieces.append(torch.zeros((tail, q.shape[1], v.shape[2]), dtype=q.dtype))
+    return torch.cat(pieces, dim=0)
+
+
+def flash_varlen_top_left(*args, **kwargs):
+    """flash_varlen_func with per-sequence causal aligned top-left."""
+    return flash_varlen_func(*args, **kwargs, top_left=True)
+
+
+for _f in (flash_varlen_func, flash_varlen_top_left):
+    _f.attngrad_protocol = "flash_varlen"
+    _f.attngrad_features = {"gqa", "dv", "causal", "causal_bottom_right", "fully_masked", "window", "softcap",
+                            "alibi", "varlen", "float64", "float32"}
+
+frontier_correct = FrontierKernel()

@@ -84,6 +84,7 @@ if __name__ != "__main__":
         assert r.returncode == 0, r.stderr
         return base
 
+    @pytest.mark.slow  # real processes
     def test_two_ranks_equal_one_process(runs):
         one, two = _ckpt(runs / "one", 20), _ckpt(runs / "two", 20)
         assert one.keys() == two.keys() and len(one) > 10
@@ -95,11 +96,13 @@ if __name__ != "__main__":
         for (_, la, ga), (_, lb, gb) in zip(a, b, strict=True):
             assert abs(la - lb) <= 1e-10 * abs(la) and abs(ga - gb) <= 1e-10 * abs(ga)
 
+    @pytest.mark.slow  # real processes
     def test_rank_zero_writes_the_same_files(runs):
         names = sorted(p.name for p in (runs / "one").iterdir())
         assert sorted(p.name for p in (runs / "two").iterdir()) == names
         assert not [n for n in names if n.endswith(".tmp")]
 
+    @pytest.mark.slow  # real processes
     def test_killed_rank_then_resume_bit_for_bit(runs, tmp_path):
         out = tmp_path / "killed"
         t0 = time.monotonic()

@@ -182,10 +182,15 @@ def test_register_returns_the_name_and_refuses_a_bad_one():
 
 
 @pytest.mark.parametrize("name", ["gpt_oss_sinks_window", "llama_gqa_left_padding"])
-def test_packed_sequences_take_the_varlen_path_and_equal_separate_runs(name):
+def test_packed_sequences_take_the_varlen_path_and_equal_separate_runs(name, monkeypatch):
     """A padding-free batch (cu_seq_lens_q/k, max_length_q/k, position_ids restarting per
     sequence) equals each sequence run alone through the float64 eager reference: logits
     and every gradient."""
+    import attngrad.transformers.attention as hf_attention
+
+    calls = []
+    varlen = hf_attention.varlen_attention
+    monkeypatch.setattr(hf_attention, "varlen_attention", lambda *a, **k: calls.append(1) or varlen(*a, **k))
     cfg, cls, _ = MODELS[name]()
     ours = build(cfg, cls, "attngrad")
     ref = build(cfg, cls, REF, state=ours.state_dict())
@@ -198,10 +203,11 @@ def test_packed_sequences_take_the_varlen_path_and_equal_separate_runs(name):
     logits = ours(input_ids=ids, position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=6,
                   max_length_k=6).logits
     (logits * w).sum().backward()
+    assert len(calls) == cfg.num_hidden_layers  # every layer on the varlen path
     grads = {n: p.grad.detach().clone() for n, p in ours.named_parameters() if p.grad is not None}
     ref.zero_grad()
     parts = []
-    for b, n in enumerate(lengths):
+    for b in range(len(lengths)):
         sl = slice(int(cu[b]), int(cu[b + 1]))
         out = ref(input_ids=ids[:, sl]).logits
         (out * w[:, sl]).sum().backward()

@@ -177,6 +177,7 @@ if __name__ != "__main__":
         diff = np.max(np.abs(a - b)) if b.size else 0.0
         return float(diff / scale) if scale else float(diff)
 
+    @pytest.mark.slow  # real processes
     @pytest.mark.parametrize("world", [1, 2, 3, 4])
     @pytest.mark.parametrize("case", range(len(CASES)), ids=["-".join(map(str, c)) for c in CASES])
     def test_ring_equals_one_process(groups, world, case):
@@ -252,6 +253,7 @@ if __name__ != "__main__":
         return subprocess.run([sys.executable, "-m", "attngrad", *args], capture_output=True, text=True,
                               timeout=timeout, env=e, stdin=subprocess.DEVNULL)
 
+    @pytest.mark.slow  # real processes
     def test_cli_ring_json():
         r = _cli("ring", "--nproc", "2", "--len", "32", "--causal", "--heads", "2", "--kv-heads", "1",
                  "--dim", "4", "--json")
@@ -285,6 +287,7 @@ if __name__ != "__main__":
             s.bind(("127.0.0.1", 0))
             return s.getsockname()[1]
 
+    @pytest.mark.slow  # real processes
     @pytest.mark.parametrize("rank,words", [("0", "not every rank joined"), ("1", "could not join")])
     def test_missing_or_unreachable_peer(rank, words):
         env = {"RANK": rank, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_unused_port())}

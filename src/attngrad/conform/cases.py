@@ -38,8 +38,15 @@ FEATURES = (
     "bias_grad",  # gradient of the bias, reduced to its shape
     *VARIANT_FEATURES.values(),
     "alibi_grad",  # gradient of the ALiBi slopes
+    "topk",  # top-k sparse attention: per-query key index lists (-1 slots, duplicates) (TK1-TK5)
+    "lse",  # the target also returns the log-sum-exp (B, H, Lq); the loss uses both (LS1-LS4)
+    "varlen",  # packed sequences of ragged lengths with cumulative lengths (VL1-VL4)
     *DTYPES,
 )
+# The frontier families (top-k, lse, varlen) are float64 only: the plain baseline of the
+# low-precision rule (CF1) does not compute them.
+FRONTIER_DTYPES = ("float64",)
+VARLEN_TAIL = 2  # rows of q and of k/v past the last sequence in every varlen case (VL3)
 
 
 @dataclass(frozen=True)
@@ -65,18 +72,26 @@ class GridCase:
     dropout: float = 0.0
     scale_grad: bool = False
     learn: str = ""  # "+"-joined extra parameters whose gradients are checked: bias, alibi_slopes
+    topk: int = 0  # K slots per query (kv_indices); 0: dense attention
+    lse: bool = False  # the target returns (out, lse) and the loss is <out, dout> + <lse, dlse>
+    seqs: str = ""  # varlen: "+"-joined LQ_LK pairs of the packed sequences, e.g. "511_1+0_4+3_513"
     dtype: str = "float64"
     probe: str = "none"
     seed: int = field(default=-1, compare=False)
 
     def __post_init__(self):
+        if self.seqs:  # a varlen case: B, total_q and total_k follow from the sequences
+            pairs = parse_seqs(self.seqs)
+            object.__setattr__(self, "b", len(pairs))
+            object.__setattr__(self, "lq", sum(a for a, _ in pairs) + VARLEN_TAIL)
+            object.__setattr__(self, "lk", sum(b for _, b in pairs) + VARLEN_TAIL)
         if self.seed < 0:  # a stable seed derived from the parameters
             object.__setattr__(self, "seed", zlib.crc32(self._body().encode()) % 100_000)
 
     def _body(self) -> str:
         parts = []
         for f in fields(self):
-            if f.name in ("family", "seed"):
+            if f.name in ("family", "seed") or (self.seqs and f.name in ("b", "lq", "lk")):
                 continue
             value = getattr(self, f.name)
             if value != f.default:
@@ -101,6 +116,20 @@ class GridCase:
             "scale": self.scale_grad,
         }
         return tuple(VARIANT_FEATURES[v] for v in VARIANTS if on[v])
+
+    @property
+    def varlen(self) -> bool:
+        return bool(self.seqs)
+
+    @property
+    def seq_pairs(self) -> tuple:
+        """((Lq_b, Lk_b), ...) of a varlen case; () otherwise."""
+        return parse_seqs(self.seqs) if self.seqs else ()
+
+    @property
+    def frontier(self) -> bool:
+        """True for a top-k, lse or varlen case."""
+        return bool(self.topk or self.lse or self.seqs)
 
     @property
     def hygiene(self) -> bool:
@@ -134,11 +163,31 @@ class GridCase:
             need.add("bias_grad")
         if "alibi_slopes" in self.learned:
             need.add("alibi_grad")
+        if self.topk:
+            need |= {"topk", "fully_masked"}  # every case has rows whose slots are all empty
+        if self.lse:
+            need.add("lse")
+        if self.seqs:
+            need = (need - {"causal", "causal_top_left", "causal_bottom_right"}) | {"varlen"}
+            pairs = self.seq_pairs
+            if self.causal != "none":
+                ragged = any(a != b for a, b in pairs)
+                need.add(f"causal_{self.causal}" if ragged else "causal")
+            if any(a and not b for a, b in pairs) or (self.causal == "bottom_right"
+                                                     and any(a > b for a, b in pairs)):
+                need.add("fully_masked")  # queries of a sequence with no (visible) key
         return need
 
     def describe(self) -> str:
         kv = "MHA" if self.hkv == self.h else ("MQA" if self.hkv == 1 else "GQA")
-        text = (
+        if self.seqs:
+            text = (f"varlen {len(self.seq_pairs)} sequences (Lq_b, Lk_b) = "
+                    f"{', '.join(f'({a}, {b})' for a, b in self.seq_pairs)}, total_q={self.lq} total_k={self.lk} "
+                    f"(+{VARLEN_TAIL} rows past the last sequence) H={self.h} Hkv={self.hkv} "
+                    f"D={self.d} Dv={self.dv} {self.dtype}")
+        else:
+            text = ""
+        text = text or (
             f"B={self.b} H={self.h} Hkv={self.hkv} ({kv}) Lq={self.lq} Lk={self.lk} "
             f"D={self.d} Dv={self.dv} {self.dtype}"
         )
@@ -150,6 +199,10 @@ class GridCase:
         extras += [v if v != "window" else f"window {self.window}" for v in self.variants]
         if self.learned:
             extras.append("grads of " + ", ".join(self.learned))
+        if self.topk:
+            extras.append(f"top-k K={self.topk} (-1 slots, duplicates, empty rows)")
+        if self.lse:
+            extras.append("returns the lse, loss uses it")
         if self.probe != "none":
             extras.append(f"probe {self.probe}")
         return text + ("; " + ", ".join(extras) if extras else "")
@@ -199,10 +252,14 @@ def check_case(case: GridCase) -> None:
                           ("dtype", DTYPES), ("probe", PROBES)):
         if getattr(case, name) not in allowed:
             raise ValueError(f"case {name} must be one of {', '.join(allowed)}; got {getattr(case, name)!r}")
+    if case.seqs:
+        parse_seqs(case.seqs)
     sizes = {k: getattr(case, k) for k in ("b", "h", "hkv", "lq", "lk", "d", "dv")}
     if any(v < 1 or v > 1 << 14 for v in sizes.values()):
         raise ValueError(f"case sizes must lie in 1..16384; got {sizes}")
     logits = case.b * case.h * case.lq * case.lk
+    if case.seqs:
+        logits = case.h * (sum(a * b for a, b in case.seq_pairs) + case.lq * case.lk)  # + the block mask
     if logits > MAX_LOGITS:
         raise ValueError(
             f"case needs B*H*Lq*Lk = {logits} logits (about {logits * 8 * 6 >> 20} MiB in float64); "
@@ -217,6 +274,30 @@ def check_case(case: GridCase) -> None:
     bad = [x for x in case.learned if x not in ("bias", "alibi_slopes")]
     if bad:
         raise ValueError(f"case learn must name bias or alibi_slopes; got {bad}")
+    if case.topk < 0 or case.topk > 1 << 14:
+        raise ValueError(f"case topk must lie in 0..16384 (0: dense); got {case.topk}")
+    if case.frontier and case.dtype not in FRONTIER_DTYPES:
+        raise ValueError(f"case topk, lse and seqs (varlen) are checked in float64 only; got dtype={case.dtype}")
+    if case.frontier and case.probe not in ("none", "determinism"):
+        raise ValueError(f"case topk, lse and seqs (varlen) take no probe {case.probe!r}")
+    if case.seqs:
+        other = [n for n, v in (("mask", case.mask != "none"), ("bias", case.bias != "none"),
+                                ("segments", case.segments), ("dropout", case.dropout > 0),
+                                ("topk", case.topk > 0), ("lse", case.lse), ("learn", bool(case.learn)))
+                 if v]
+        if other:
+            raise ValueError(f"case seqs (varlen) takes no {', '.join(other)} (sdpa_varlen_forward is bias-free)")
+
+
+def parse_seqs(text: str) -> tuple:
+    """"511_1+0_4" -> ((511, 1), (0, 4)): the (Lq_b, Lk_b) of a varlen case's sequences."""
+    try:
+        pairs = tuple(tuple(int(x) for x in item.split("_")) for item in text.split("+"))
+        if not pairs or any(len(p) != 2 or min(p) < 0 or max(p) > 1 << 14 for p in pairs):
+            raise ValueError
+        return pairs
+    except ValueError:
+        raise ValueError(f"case seqs must look like LQ_LK+LQ_LK+... (lengths 0..16384); got {text!r}") from None
 
 
 def parse_window(text: str) -> tuple:

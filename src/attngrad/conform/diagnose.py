@@ -96,6 +96,9 @@ def _run(problem: CaseInputs, **kw) -> Result:
 def hypotheses(problem: CaseInputs):
     """(what, alternative Result) for every hypothesis that applies to ``problem``'s case."""
     c = problem.case
+    if c.frontier:  # top-k, lse, varlen: the core's float64 reference under each hypothesis
+        yield from _frontier_hypotheses(problem)
+        return
     base = _settings(problem)
     if c.causal != "none" and c.lq != c.lk:
         other = {"top_left": "bottom_right", "bottom_right": "top_left"}[c.causal]
@@ -123,6 +126,31 @@ def hypotheses(problem: CaseInputs):
                                                      o["dropout_p"]), np.float64), -1, -2)
         yield "the dropout mask transposed", _run(problem, **{**base, "keep_fwd": keep_t, "keep_bwd": keep_t})
         yield "the dropout mask transposed in the backward", _run(problem, **{**base, "keep_bwd": keep_t})
+
+
+def _frontier_hypotheses(problem: CaseInputs):
+    """Hypotheses for top-k, lse and varlen cases, each the reference on altered inputs."""
+    from .reference import reference
+
+    c, o = problem.case, problem.options
+    if c.causal != "none" and (c.varlen or c.lq != c.lk):
+        other = {"top_left": "bottom_right", "bottom_right": "top_left"}[c.causal]
+        alt = make_inputs(replace(c, causal=other))
+        yield (f"the other causal alignment ({other.replace('_', '-')} instead of "
+               f"{c.causal.replace('_', '-')}{', per sequence' if c.varlen else ''})"), reference(alt)
+    if c.topk:
+        idx = np.array(o["kv_indices"])
+        once = idx.copy()
+        for s in range(1, idx.shape[-1]):  # a key listed again in a row: its later slots emptied
+            seen = (once[..., :s] == once[..., s:s + 1]).any(axis=-1)
+            once[..., s] = np.where(seen & (once[..., s] >= 0), -1, once[..., s])
+        if not np.array_equal(once, idx):
+            yield "a repeated key counted once (gather semantics: each slot is a term)", \
+                reference(replace(problem, options={**o, "kv_indices": once}))
+        if (idx < 0).any():
+            yield "-1 slots read as key 0", reference(replace(problem, options={**o, "kv_indices": np.maximum(idx, 0)}))
+    if c.lse:
+        yield "the lse's gradient (dlse) ignored", reference(replace(problem, dlse=np.zeros_like(problem.dlse)))
 
 
 def _tensor(res: Result, name: str):

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from .cases import DTYPES, GridCase
 
-__all__ = ["DTYPES", "GRIDS", "build_grid", "variant_cases", "with_dtype"]
+__all__ = ["DTYPES", "GRIDS", "build_grid", "frontier_cases", "variant_cases", "with_dtype"]
 
 
 def with_dtype(case: GridCase, dtype: str, family: str | None = None) -> GridCase:
@@ -72,6 +72,7 @@ def build_grid(name: str = "quick") -> list[GridCase]:
     add(GridCase("combined", b=2, h=4, hkv=1, lq=tall[0], lk=tall[1], d=59, dv=59, mask="fully_masked",
              causal="top_left"))
     cases += variant_cases(full)
+    cases += frontier_cases(full)
     # lower precisions: a cross-section of the above, each in its own family
     base = [c for c in cases if c.family in ("shapes", "gqa", "mqa", "padding", "fully_masked",
                                              "causal_top_left", "causal_bottom_right", "bias_grad",
@@ -129,5 +130,36 @@ def variant_cases(full: bool) -> list[GridCase]:
             GridCase("window", lq=rag[1], lk=rag[0], window="none_8", causal="bottom_right", mask="padding"),
             GridCase("variant_pairs", h=4, hkv=2, lq=rag[0], lk=rag[1], softcap=3.0, alibi=True,
                  causal="bottom_right", scale_grad=True),
+        ]
+    return out
+
+
+def frontier_cases(full: bool) -> list[GridCase]:
+    """Top-k (TK1-TK5), the lse as an output (LS1-LS4) and varlen batches (VL1-VL4), float64.
+
+    Every top-k case has -1 slots, repeated keys and a row of empty slots per (batch, kv
+    head); every varlen case has zero-length query and key sequences and rows past the last
+    sequence.  The quick grid keeps them small; the full grid adds the ragged long pairs.
+    """
+    out = [
+        GridCase("topk", b=2, lq=37, lk=53, topk=8),
+        GridCase("topk", h=4, hkv=2, lq=37, lk=53, topk=6, sinks=True, causal="bottom_right"),
+        GridCase("lse", lq=37, lk=53, lse=True),
+        GridCase("lse", h=4, hkv=2, lq=37, lk=53, lse=True, sinks=True, mask="fully_masked"),
+        GridCase("lse", lq=29, lk=41, lse=True, topk=5, causal="bottom_right"),
+        GridCase("varlen", seqs="5_7+0_4+3_0+6_6+1_11"),
+        GridCase("varlen", h=4, hkv=2, seqs="7_5+0_0+3_513+9_9", causal="bottom_right"),
+        GridCase("varlen", h=4, hkv=1, seqs="511_1+0_3+4_9", window="3_1", softcap=4.0),
+    ]
+    if full:
+        out += [
+            GridCase("topk", b=2, h=4, hkv=1, lq=113, lk=203, d=64, dv=32, topk=32, softcap=3.0),
+            GridCase("topk", b=2, h=2, hkv=2, lq=203, lk=113, topk=16, mask="padding", alibi=True,
+                     causal="top_left"),
+            GridCase("lse", b=2, h=4, hkv=2, lq=113, lk=203, lse=True, softcap=2.0, window="16_0",
+                     causal="bottom_right"),
+            GridCase("varlen", h=4, hkv=2, seqs="511_1+3_513+0_7+1023_1024+2_0", causal="bottom_right"),
+            GridCase("varlen", h=2, hkv=2, seqs="1024_1023+0_0+17_300", window="64_0", alibi=True),
+            GridCase("varlen", h=4, hkv=2, seqs="300_17+5_0+64_64", sinks=True, causal="bottom_right"),
         ]
     return out

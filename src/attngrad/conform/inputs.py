@@ -34,6 +34,9 @@ class CaseInputs:
     clean_k: np.ndarray  # k without the NaN/inf of the nan_keys probe (what the reference sees)
     clean_v: np.ndarray
     positional: np.ndarray | None = None  # (Lq, Lk) the causal and window rules alone (no masks)
+    dlse: np.ndarray | None = None  # (B, H, Lq) the lse's upstream gradient (lse cases)
+    cu_q: np.ndarray | None = None  # (B + 1,) int32 cumulative query lengths (varlen cases)
+    cu_k: np.ndarray | None = None  # (B + 1,) int32 cumulative key lengths (varlen cases)
 
     @property
     def dtype(self) -> str:
@@ -54,6 +57,8 @@ def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
 def make_inputs(case: GridCase) -> CaseInputs:
     """Rebuild the inputs of ``case`` from its seed."""
     check_case(case)
+    if case.seqs:
+        return _varlen_inputs(case)
     rng = np.random.default_rng(case.seed)
     c = case
     spread = 100.0 if c.probe == "large_logits" else 1.0  # logits of magnitude ~1e4
@@ -71,7 +76,78 @@ def make_inputs(case: GridCase) -> CaseInputs:
     clean_k, clean_v = k, v
     if c.probe in ("nan_keys", "inf_values"):
         k, v = _poison(c, k, v, allowed)
-    return CaseInputs(case, q, k, v, dout, options, allowed, clean_k, clean_v, positional)
+    if c.topk:
+        idx = topk_indices(rng, c)
+        options["kv_indices"] = idx
+        allowed &= _slots_allowed(c, idx)
+    dlse = round_to(rng.standard_normal((c.b, c.h, c.lq)), c.dtype) if c.lse else None  # (B, H, Lq)
+    return CaseInputs(case, q, k, v, dout, options, allowed, clean_k, clean_v, positional, dlse)
+
+
+def topk_indices(rng, c: GridCase) -> np.ndarray:
+    """(B, Hkv, Lq, K) int64 key indices: random keys, about 1 slot in 6 empty (-1), a repeated
+    key in about 1 row in 4, and one row of every (batch, kv head) with every slot empty."""
+    idx = rng.integers(0, c.lk, (c.b, c.hkv, c.lq, c.topk))  # (B, Hkv, Lq, K)
+    idx[rng.random(idx.shape) < 1 / 6] = -1
+    if c.topk > 1:  # duplicates: slot 1 repeats slot 0's key, twice counted
+        dup = rng.random((c.b, c.hkv, c.lq)) < 0.25  # (B, Hkv, Lq)
+        keys = rng.integers(0, c.lk, dup.shape)
+        idx[..., 0] = np.where(dup, keys, idx[..., 0])
+        idx[..., 1] = np.where(dup, keys, idx[..., 1])
+    rows = rng.integers(0, c.lq, (c.b, c.hkv))  # (B, Hkv) one empty row each
+    for b in range(c.b):
+        for g in range(c.hkv):
+            idx[b, g, rows[b, g]] = -1
+    return idx.astype(np.int64)
+
+
+def _slots_allowed(c: GridCase, idx: np.ndarray) -> np.ndarray:
+    """(B, H, Lq, Lk) True where some slot of the row names the key (the dense picture of the
+    index lists; duplicates are the reference's business)."""
+    out = np.zeros((c.b, c.hkv, c.lq, c.lk), dtype=bool)
+    b, g, i, s = np.nonzero(idx >= 0)
+    out[b, g, i, idx[b, g, i, s]] = True
+    return np.repeat(out, c.h // c.hkv, axis=1)
+
+
+def _varlen_inputs(c: GridCase) -> CaseInputs:
+    """Packed q (total_q, H, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv), dout (total_q, H, Dv),
+    cu_seqlens int32 (B + 1,); VARLEN_TAIL rows past the last sequence in q and k.  ``allowed``
+    is the (total_q, total_k) block structure (causal and windows bottom-right per sequence)."""
+    rng = np.random.default_rng(c.seed)
+    pairs = c.seq_pairs
+    q = round_to(rng.standard_normal((c.lq, c.h, c.d)), c.dtype)  # (total_q, H, D)
+    k = round_to(rng.standard_normal((c.lk, c.hkv, c.d)), c.dtype)  # (total_k, Hkv, D)
+    v = round_to(rng.standard_normal((c.lk, c.hkv, c.dv)), c.dtype)  # (total_k, Hkv, Dv)
+    dout = round_to(rng.standard_normal((c.lq, c.h, c.dv)), c.dtype)  # (total_q, H, Dv)
+    cu_q = np.concatenate([[0], np.cumsum([a for a, _ in pairs])]).astype(np.int32)  # (B + 1,)
+    cu_k = np.concatenate([[0], np.cumsum([b for _, b in pairs])]).astype(np.int32)
+    options: dict = {"scale": float(1.0 / np.sqrt(c.d))}
+    if c.causal != "none":
+        options["causal"] = c.causal
+    if c.softcap > 0:
+        options["softcap"] = float(c.softcap)
+    if c.sinks:
+        options["sinks"] = round_to(rng.standard_normal(c.h), c.dtype)  # (H,)
+    if c.alibi:
+        options["alibi_slopes"] = round_to(rng.uniform(0.05, 0.5, c.h), c.dtype)  # (H,)
+    if c.window != "none":
+        options["window"] = parse_window(c.window)
+    allowed = np.zeros((c.lq, c.lk), dtype=bool)  # (total_q, total_k)
+    for n, (lq, lk) in enumerate(pairs):
+        i = np.arange(lq)[:, None] + (lk - lq if c.causal != "top_left" else 0)  # (VL2) bottom-right
+        j = np.arange(lk)[None, :]
+        block = np.ones((lq, lk), dtype=bool)
+        if c.causal != "none":
+            block &= j <= i
+        if c.window != "none":
+            left, right = parse_window(c.window)
+            if left is not None:
+                block &= j >= i - left
+            if right is not None:
+                block &= j <= i + right
+        allowed[cu_q[n]:cu_q[n + 1], cu_k[n]:cu_k[n + 1]] = block
+    return CaseInputs(c, q, k, v, dout, options, allowed, k, v, None, None, cu_q, cu_k)
 
 
 def _positional(c: GridCase) -> np.ndarray:

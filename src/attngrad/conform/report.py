@@ -64,7 +64,7 @@ def worst_errors(report) -> list:
             ratio = e.err / e.allowed if e.allowed > 0 else (0.0 if e.err == 0 else float("inf"))
             if key not in worst or ratio > worst[key][0]:
                 worst[key] = (ratio, e.err, e.allowed, r.case_id)
-    order = ["out", "q", "k", "v", "bias", "sinks", "alibi_slopes", "scale"]
+    order = ["out", "lse", "q", "k", "v", "bias", "sinks", "alibi_slopes", "scale"]
     keys = sorted(worst, key=lambda k: (k[1] != "float64", k[1], order.index(k[0]) if k[0] in order else 99))
     return [(n, c, *worst[(n, c)][1:]) for n, c in keys]
 
@@ -86,7 +86,7 @@ def format_report(report) -> str:
     if worst:
         lines += ["", "worst error per tensor (relative to max|reference|; allowed; case):"]
         for name, cls, err, allowed, case_id in worst:
-            label = "out" if name == "out" else f"d{name}"
+            label = name if name in ("out", "lse") else f"d{name}"
             flag = "" if err <= allowed else "  FAIL"
             lines.append(f"  {label:<14} {cls:<9} {err:9.2e}  allowed {allowed:8.2e}  {case_id}{flag}")
     bad = [r for r in report.results if r.verdict in (FAIL, NONDET, REFUSED, FRAGILE)]

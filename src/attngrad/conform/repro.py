@@ -92,7 +92,7 @@ def reproduce(target, case_id: str, *, protocol=None, features=None,
              + (f": {result.reason}" if result.reason else "")]
     lines += [f"  hint: {h}" for h in result.hints]
     for name, e in result.errors.items():
-        label = "out" if name == "out" else f"d{name}"
+        label = name if name in ("out", "lse") else f"d{name}"
         extra = f" (plain {e.plain:.2e})" if e.plain is not None else ""
         lines.append(f"  {label:<14} rel err {e.err:9.2e}  allowed {e.allowed:8.2e}{extra}  {'ok' if e.ok else 'FAIL'}")
     if result.verdict == SKIP or result.verdict == "pass":
@@ -123,7 +123,7 @@ def reproduce(target, case_id: str, *, protocol=None, features=None,
         limit = allowed * max(scale_of(r), floor)
         where = _where(name, g, r, limit, problem)
         if where:
-            lines.append(f"  where {'out' if name == 'out' else 'd' + name} is off:")
+            lines.append(f"  where {name if name in ('out', 'lse') else 'd' + name} is off:")
             lines += where
     if plain is not None:
         lines.append("  (allowed = factor x the plain baseline's error (math-backend arithmetic) "

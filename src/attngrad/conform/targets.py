@@ -5,7 +5,7 @@ and returns the output and the gradients of L = sum(out * dout) as float64 NumPy
 Built-in targets are named (``torch.sdpa``, ``torch.sdpa:math``, ``torch.sdpa:flash``,
 ``torch.naive``, ``torch.flex``, ``jax.dpa``, ``attngrad.dense``, ``attngrad.tiled``); a
 user's function is loaded from ``module:function`` or ``path/to/file.py:function`` and
-called through one of three protocols (``sdpa``, ``flash``, ``explicit``).
+called through one of four protocols (``sdpa``, ``flash``, ``flash_varlen``, ``explicit``).
 """
 
 from __future__ import annotations
@@ -20,27 +20,60 @@ from ..core.sdpa import sdpa_forward
 from ..core.variants import VARIANT_FEATURES, VARIANT_OPTIONS, variant_of_feature
 from .cases import FEATURES
 from .jax_target import jax_dpa
+from .packing import attngrad_varlen, flash_varlen_runner
 from .reference import attngrad_runner, explicit_runner
 from .result import Result, Target
 from .torch_targets import _torch, flash_runner, flex_runner, sdpa_runner, torch_naive
 
-__all__ = ["BUILTINS", "CUDA_BUILTINS", "PROTOCOLS", "Result", "Target", "available_builtins",
-           "check_device", "check_features", "grad_names", "protocol_lacks", "reference_lacks",
-           "reference_signature", "resolve_target"]
+__all__ = [
+    "BUILTINS",
+    "CUDA_BUILTINS",
+    "OPT_IN",
+    "PROTOCOLS",
+    "Result",
+    "Target",
+    "available_builtins",
+    "check_device",
+    "check_features",
+    "default_features",
+    "grad_names",
+    "protocol_lacks",
+    "reference_lacks",
+    "reference_signature",
+    "resolve_target",
+]
 
-PROTOCOLS = ("sdpa", "flash", "explicit")
+PROTOCOLS = ("sdpa", "flash", "flash_varlen", "explicit")
 BASE = {"gqa", "dv", "float64", "float32", "float16", "bfloat16"}
 MASKING = {"mask", "padding", "fully_masked", "causal", "causal_top_left", "causal_bottom_right"}
 # What each protocol can express: the default for a target that declares nothing.
 PROTOCOL_FEATURES = {
     # boolean attn_mask: masks, padding, either causal alignment, windows, segments; a float
     # attn_mask: a bias (with its gradient) and ALiBi (as a bias, without the slopes' gradient)
-    "sdpa": BASE | MASKING | {"bias", "bias_grad", "alibi", "window", "segments"},
+    # a bias (with its gradient) and ALiBi (as a bias, without the slopes' gradient); lse: the
+    # target returns (out, lse)
+    "sdpa": BASE | MASKING | {"bias", "bias_grad", "alibi", "window", "segments", "lse"},
     # flash_attn_func: bottom-right causal (fully masked rows when Lq > Lk), windows, soft-cap, ALiBi
     "flash": BASE | {"causal", "causal_bottom_right", "fully_masked", "window", "softcap", "alibi"},
+    # flash_attn_varlen_func: the same per packed sequence, and varlen batches
+    "flash_varlen": BASE | {"causal", "causal_bottom_right", "fully_masked", "window", "softcap", "alibi",
+                            "varlen"},
     # attngrad.sdpa_forward's keywords on NumPy arrays: everything NumPy has
     "explicit": set(FEATURES) - {"bfloat16"},
 }
+# Features a target declares to be checked on: a kernel's return value or call changes with
+# them (the lse returned, index lists, packed sequences), so a target declaring nothing gets
+# its protocol's features without these (flash_varlen keeps varlen, what it is for); "all"
+# includes them.
+OPT_IN = frozenset({"lse", "topk", "varlen"})
+
+
+def default_features(protocol: str) -> frozenset:
+    """What a target of ``protocol`` that declares nothing is checked on."""
+    keep = {"varlen"} if protocol == "flash_varlen" else set()
+    return frozenset(PROTOCOL_FEATURES[protocol] - (OPT_IN - keep))
+
+
 # What a protocol cannot express, and why: a target declaring one of these is refused up front.
 CANNOT = {
     "sdpa": {
@@ -49,12 +82,14 @@ CANNOT = {
         "alibi_grad": "ALiBi reaches it as a float attn_mask, so its slopes get no gradient",
         "dropout": "PyTorch draws its own dropout mask, which the reference cannot rebuild",
         "scale_grad": "its scale is a number, not a tensor with a gradient",
+        "topk": "it takes no key index lists (a repeated index is no mask); use the explicit protocol",
+        "varlen": "it takes (B, H, L, D) batches; use the flash_varlen or explicit protocol",
     },
     "flash": {
         "causal_top_left": "its causal=True is bottom-right aligned (FlashAttention's); declare "
                            "causal_bottom_right, or use the sdpa protocol for top-left",
         "mask": "flash_attn_func takes no mask",
-        "padding": "flash_attn_func takes no key padding (the varlen entry point is another protocol)",
+        "padding": "flash_attn_func takes no key padding (the varlen entry point is the flash_varlen protocol)",
         "bias": "flash_attn_func takes no bias",
         "bias_grad": "flash_attn_func takes no bias",
         "sinks": "flash_attn_func has no sinks",
@@ -62,11 +97,28 @@ CANNOT = {
         "dropout": "the kernel draws its own dropout mask, which the reference cannot rebuild",
         "scale_grad": "its softmax_scale is a number, not a tensor with a gradient",
         "alibi_grad": "its alibi_slopes get no gradient",
+        "topk": "flash_attn_func takes no key index lists; use the explicit protocol",
+        "lse": "its softmax_lse carries no gradient; use the sdpa or explicit protocol",
+        "varlen": "flash_attn_func takes (B, L, H, D) batches; use the flash_varlen protocol",
+    },
+    "flash_varlen": {
+        "causal_top_left": "its causal=True is bottom-right aligned per sequence (FlashAttention's)",
+        "mask": "flash_attn_varlen_func takes no mask",
+        "padding": "its sequences have their own lengths, but a (B, L) batch's key padding is not packed here",
+        "bias": "flash_attn_varlen_func takes no bias",
+        "bias_grad": "flash_attn_varlen_func takes no bias",
+        "sinks": "flash_attn_varlen_func has no sinks",
+        "segments": "flash_attn_varlen_func has no segment ids (its sequences are the segments)",
+        "dropout": "the kernel draws its own dropout mask, which the reference cannot rebuild",
+        "scale_grad": "its softmax_scale is a number, not a tensor with a gradient",
+        "alibi_grad": "its alibi_slopes get no gradient",
+        "topk": "flash_attn_varlen_func takes no key index lists; use the explicit protocol",
+        "lse": "its softmax_lse carries no gradient; use the sdpa or explicit protocol",
     },
     "explicit": {"bfloat16": "it runs on NumPy, which has no bfloat16 (use the sdpa or flash protocol)"},
 }
 BUILTINS = ("torch.sdpa", "torch.sdpa:math", "torch.sdpa:flash", "torch.naive", "torch.flex",
-            "jax.dpa", "attngrad.dense", "attngrad.tiled")
+            "jax.dpa", "attngrad.dense", "attngrad.tiled", "attngrad.varlen")
 CUDA_BUILTINS = ("torch.sdpa:efficient", "torch.sdpa:cudnn")  # listed only where CUDA is available
 SDPA_BACKENDS = {"torch.sdpa": None, "torch.sdpa:math": "MATH", "torch.sdpa:flash": "FLASH_ATTENTION",
                  "torch.sdpa:efficient": "EFFICIENT_ATTENTION", "torch.sdpa:cudnn": "CUDNN_ATTENTION"}
@@ -106,9 +158,9 @@ def check_features(names, where: str = "features", protocol: str | None = None) 
 
 def protocol_lacks(protocol: str, case) -> str | None:
     """Why ``protocol`` cannot express ``case`` although the target declares its features."""
-    if protocol == "flash" and (case.window != "none" or case.alibi) and case.lq != case.lk \
+    if protocol in ("flash", "flash_varlen") and not case.varlen and (case.window != "none" or case.alibi) and case.lq != case.lk \
             and case.causal != "bottom_right":
-        return "the flash protocol aligns windows and ALiBi bottom-right; this case is top-left aligned"
+        return f"the {protocol} protocol aligns windows and ALiBi bottom-right; this case is top-left aligned"
     return None
 
 
@@ -153,12 +205,14 @@ def _reference_has(feature: str, params: set) -> bool:
 def reference_lacks(case) -> str | None:
     """The first variant feature of ``case`` that attngrad's sdpa_forward cannot express."""
     params = reference_signature()
+    if case.topk and "kv_indices" not in params:
+        return "topk"
     return next((f for f in case.variants if not _reference_has(f, params)), None)
 
 
 def grad_names(case) -> tuple:
     """The tensors compared for ``case``: out, dQ, dK, dV and the learned parameters."""
-    names = ["out", "q", "k", "v", *case.learned]
+    names = ["out", *(["lse"] if case.lse else []), "q", "k", "v", *case.learned]
     if case.sinks:
         names.append("sinks")
     if case.scale_grad:
@@ -171,9 +225,14 @@ def _attngrad_target(impl: str) -> Target:
     variants = {f for f in VARIANT_FEATURES.values() if _reference_has(f, params)}
     if "alibi" in variants:
         variants.add("alibi_grad")
-    feats = BASE - {"bfloat16"} | MASKING | {"bias", "bias_grad"} | variants
+    feats = BASE - {"bfloat16"} | MASKING | {"bias", "bias_grad", "topk", "lse", "varlen"} | variants
+    if impl == "varlen":  # sdpa_varlen_forward under the flash_varlen protocol
+        feats = PROTOCOL_FEATURES["flash_varlen"] - {"bfloat16"}
+        return Target("attngrad.varlen", "flash_varlen", frozenset(feats), attngrad_varlen,
+                      "attngrad.sdpa_varlen_forward/sdpa_varlen_backward as flash_attn_varlen_func, "
+                      "NumPy (no bfloat16 in NumPy)")
     return Target(f"attngrad.{impl}", "explicit", frozenset(feats), attngrad_runner(impl),
-                  "attngrad.sdpa_forward/sdpa_backward, NumPy (no bfloat16 in NumPy)")
+                  "attngrad.sdpa_forward/sdpa_backward (sdpa_varlen_* for varlen), NumPy (no bfloat16 in NumPy)")
 
 
 def _cpu_only(name: str, device: str, why: str = NUMPY_NOTE) -> None:
@@ -214,7 +273,7 @@ def _builtin(name: str, device: str = "cpu") -> Target:
     import torch.nn.functional as F
 
     backend = SDPA_BACKENDS[name]
-    feats = PROTOCOL_FEATURES["sdpa"]
+    feats = default_features("sdpa")  # scaled_dot_product_attention returns no lse
     return Target(name, "sdpa", frozenset(feats),
                   sdpa_runner(F.scaled_dot_product_attention, backend, device, builtin=True),
                   "torch.nn.functional.scaled_dot_product_attention"
@@ -288,9 +347,11 @@ def resolve_target(target, *, protocol: str | None = None, features=None, device
         else:
             if not callable(obj):
                 raise ValueError(f"{name}: the {proto} protocol needs a callable; got {type(obj).__name__}")
-            run = sdpa_runner(obj, device=device) if proto == "sdpa" else flash_runner(obj, device)
+            runners = {"sdpa": lambda: sdpa_runner(obj, device=device), "flash": lambda: flash_runner(obj, device),
+                       "flash_varlen": lambda: flash_varlen_runner(obj, device)}
+            run = runners[proto]()
         declared = getattr(obj, "attngrad_features", None)
-        feats = PROTOCOL_FEATURES[proto] if declared is None else check_features(
+        feats = default_features(proto) if declared is None else check_features(
             declared, f"{name}.attngrad_features", proto)
         at = "" if device == "cpu" else f", on {device}"
         t = Target(name, proto, frozenset(feats), run, "a user's function" + at)

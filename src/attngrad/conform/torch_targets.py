@@ -176,10 +176,22 @@ def sdpa_runner(fn, backend: str | None = None, device="cpu", builtin: bool = Fa
 
             with sdpa_kernel(getattr(SDPBackend, backend)):
                 out = fn(leaves["q"], leaves["k"], leaves["v"], **kwargs)
-        if isinstance(out, tuple):  # (out, lse, ...) from kernels that return more
+        lse = None
+        if c.lse:  # the target returns (out, lse); the loss is <out, dout> + <lse, dlse>
+            if not isinstance(out, tuple | list) or len(out) < 2:
+                raise TypeError("a target declaring lse must return (out, lse); got "
+                                f"{type(out).__name__}")
+            out, lse = out[0], out[1]
+        elif isinstance(out, tuple):  # (out, lse, ...) from kernels that return more
             out = out[0]
-        (out * _const(torch, problem.dout, dt, device)).sum().backward()
-        return _collect(out, leaves)
+        loss = (out * _const(torch, problem.dout, dt, device)).sum()
+        if lse is not None:
+            loss = loss + (lse * _const(torch, problem.dlse, lse.dtype, device)).sum()
+        loss.backward()
+        result = _collect(out, leaves)
+        if lse is not None:
+            result.grads["lse"] = lse.detach().cpu().double().numpy().copy()
+        return result
 
     return run
 

@@ -37,7 +37,7 @@ PASS, FAIL, NONDET, REFUSED, SKIP = "pass", "fail", "non-deterministic", "refuse
 FRAGILE = "fragile"  # a hygiene probe the target does not survive: fails the exit status only under --strict
 VERDICTS = (PASS, FAIL, NONDET, REFUSED, FRAGILE, SKIP)
 # the order in which the tensors are computed: the first wrong one is where a bug starts
-DATAFLOW = ("out", "v", "q", "k", "bias", "alibi_slopes", "sinks", "scale")
+DATAFLOW = ("out", "lse", "v", "q", "k", "bias", "alibi_slopes", "sinks", "scale")
 
 
 @dataclass
@@ -84,7 +84,9 @@ def scale_of(ref: np.ndarray) -> float:
 def relative_error(got: np.ndarray, ref: np.ndarray, floor: float = 0.0) -> float:
     """max|got - ref| / max(max|ref|, floor) (the absolute error when both are 0)."""
     s = max(scale_of(ref), floor)
-    err = float(np.max(np.abs(got - ref))) if ref.size else 0.0
+    with np.errstate(invalid="ignore"):  # an infinity the reference has too (an empty row's lse) is exact
+        diff = np.where(got == ref, 0.0, np.abs(got - ref))
+    err = float(np.max(diff)) if ref.size else 0.0
     return err / s if s > 0 else err
 
 
@@ -93,7 +95,7 @@ def _structural(names, ref: Result, got: Result) -> str | None:
     for name in names:
         r = ref.out if name == "out" else ref.grads[name]
         t = got.out if name == "out" else (got.grads or {}).get(name)
-        label = "output" if name == "out" else f"gradient {name!r}"
+        label = {"out": "output", "lse": "lse (returned)"}.get(name, f"gradient {name!r}")
         if t is None:
             return f"{label} missing"
         if t.shape != r.shape:
@@ -168,7 +170,9 @@ def judge(names, dtype: str, ref: Result, got: Result, plain: Result | None,
 
 
 def _label(name: str) -> str:
-    return "out" if name == "out" else f"d{name}" if len(name) == 1 else f"d[{name}]"
+    if name in ("out", "lse"):
+        return name
+    return f"d{name}" if len(name) == 1 else f"d[{name}]"
 
 
 def bitwise_equal(a: Result, b: Result) -> str | None:

@@ -14,6 +14,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..runtime import fused
+
 ACTIVATIONS = ("relu", "gelu")
 _C = math.sqrt(2.0 / math.pi)
 _A = 0.044715
@@ -46,7 +48,32 @@ def activation_backward(dy, cache: ActivationCache):
     """dX, same shape as dY."""
     x = cache.x
     if cache.kind == "relu":
+        k = _relu_grad_kernel()
+        if (k is not None and type(dy) is np.ndarray and type(x) is np.ndarray and dy.dtype in _FLOATS
+                and x.dtype == dy.dtype and x.shape == dy.shape and dy.flags.c_contiguous and x.flags.c_contiguous):
+            t = dy.dtype.type
+            return k(dy.reshape(-1), x.reshape(-1), t(1), t(0)).reshape(dy.shape)  # (G2) one pass, same bits
         return dy * (x > 0)  # (G2)  (a multiply: np.where is ~10x slower on a random mask)
     t = cache.t
     local = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _C * (1.0 + 3.0 * _A * x * x)  # (G4)
     return dy * local  # (G4)
+
+
+_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+_KERNEL = None  # the compiled ReLU backward, False when numba is missing
+
+
+def _relu_grad_kernel():
+    """:func:`._ffn_kernels.relu_grad` when the fused kernels are enabled
+    (:func:`attngrad.runtime.fused.enabled`), else None."""
+    global _KERNEL
+    if not fused.enabled():
+        return None
+    if _KERNEL is None:
+        try:
+            from ._ffn_kernels import relu_grad
+        except ImportError:  # pragma: no cover - numba missing
+            _KERNEL = False
+        else:
+            _KERNEL = relu_grad
+    return _KERNEL or None

@@ -60,14 +60,14 @@ _KERNELS = None  # (swiglu_product, swiglu_grad) once compiled, False when numba
 
 
 def _kernels():
-    """The compiled elementwise loops (:mod:`._swiglu_kernels`) when the fused kernels are
+    """The compiled elementwise loops (:mod:`._ffn_kernels`) when the fused kernels are
     enabled (:func:`attngrad.runtime.fused.enabled`), else None."""
     global _KERNELS
     if not fused.enabled():
         return None
     if _KERNELS is None:
         try:
-            from . import _swiglu_kernels as k
+            from . import _ffn_kernels as k
         except ImportError:  # pragma: no cover - numba missing
             _KERNELS = False
         else:

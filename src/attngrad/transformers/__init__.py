@@ -15,8 +15,10 @@ mask is transformers' own boolean mask (``sdpa_mask``); where it is exactly caus
 the sliding window AND key padding, the structure is handed to attngrad as such (its
 compiled loops skip the masked tiles), else as an explicit mask.  Returns
 ``(out (B, L, H, Dv), None)``, as transformers' attention functions do.  An option it
-cannot honour (``output_attentions=True``, packed ``cu_seq_lens_*``, ``head_mask``, any
-unknown keyword with a value) is refused with an error naming it, never ignored.
+cannot honour (``output_attentions=True``, ``head_mask``, any unknown keyword with a
+value) is refused with an error naming it, never ignored.  Packed sequences
+(``cu_seq_lens_q``/``cu_seq_lens_k``/``max_length_q``/``max_length_k``) run
+:func:`attngrad.torch.varlen_attention` (see :mod:`.attention`).
 
 A query row that the mask leaves with no key gives 0 (transformers' eager path gives the
 mean of the values there).  Needs the ``hf`` extra: ``pip install 'attngrad[hf]'``.

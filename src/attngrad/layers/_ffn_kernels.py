@@ -1,10 +1,13 @@
-"""SwiGLU's elementwise steps (LL3, LL4) as compiled loops (optional: numba, the ``fast``
-extra; imported only through :func:`attngrad.layers.swiglu._kernels`).
+"""Elementwise steps of the language models' feed-forward layers as compiled loops:
+SwiGLU's (LL3, LL4) and the ReLU backward (G2) (optional: numba, the ``fast`` extra;
+imported only through :func:`attngrad.layers.swiglu._kernels` and
+:func:`attngrad.layers.activations._relu_grad_kernel`).
 
 The operations of the NumPy code in :mod:`.swiglu`, in the same order and dtype, each
 rounded once (no fast-math: no FMA contraction, no reassociation), so the results are
-bitwise equal to NumPy's: one pass instead of two (forward) or eight (backward) NumPy
-calls, each a full (B, L, F) temporary.  The sigmoid itself stays NumPy's tanh.
+bitwise equal to NumPy's: one pass instead of two (SwiGLU forward), eight (its backward)
+or two (ReLU backward) NumPy calls, each a full (B, L, F) temporary.  The sigmoid itself
+stays NumPy's tanh.
 """
 
 from __future__ import annotations
@@ -35,3 +38,13 @@ def swiglu_grad(dz, a, u, sigma, one):  # pragma: no cover
         du[i] = g * (ai * s)  # (LL4) dz silu(a)
         da[i] = (g * u[i]) * (s * (one + ai * (one - s)))  # (LL4) dz u silu'(a)
     return du, da
+
+
+@numba.njit(nogil=True, cache=True)
+def relu_grad(dy, x, one, zero):  # pragma: no cover
+    """1-D dy, x of one dtype, ``one``, ``zero`` in it -> dy [x > 0] (G2), as
+    ``dy * (x > 0)`` (the mask cast to 1 or 0 and multiplied: -0 and NaN as NumPy's)."""
+    dx = np.empty_like(dy)
+    for i in range(dy.size):
+        dx[i] = dy[i] * (one if x[i] > 0 else zero)  # (G2)
+    return dx

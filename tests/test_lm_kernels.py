@@ -1,0 +1,106 @@
+"""The compiled loops of the language models' layers (RoPE's rotation, SwiGLU's
+elementwise steps, the ReLU backward) and the cross-entropy's in-place forward give the bits of the NumPy
+expressions they replace (docs/benchmarks.md, "Language-model training step")."""
+
+import numpy as np
+import pytest
+
+from attngrad.core import rope as R
+from attngrad.layers import activations as A
+from attngrad.layers import loss as L
+from attngrad.layers import swiglu as S
+from attngrad.runtime import fused
+
+needs_numba = pytest.mark.skipif(not fused.enabled(), reason="the compiled loops need numba (attngrad[fast])")
+
+
+def _same(x, y):
+    return x.dtype == y.dtype and x.shape == y.shape and np.array_equal(x, y, equal_nan=True)
+
+
+@needs_numba
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+@pytest.mark.parametrize("rotary_dim", [None, 4])
+@pytest.mark.parametrize("batch_positions", [False, True])
+@pytest.mark.parametrize("strided", [False, True])
+def test_rope_kernel_bitwise(monkeypatch, dtype, layout, rotary_dim, batch_positions, strided):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 7, 5, 8) if strided else (3, 5, 7, 8)).astype(dtype)
+    if strided:
+        x = np.swapaxes(x, 1, 2)  # (B, H, L, D) view of a (B, L, H, D) buffer, as split_heads gives
+    pos = rng.integers(0, 50, (3, 7)) if batch_positions else None
+    assert R._kernel() is not None
+    y, c = R.rope_forward(x, pos, rotary_dim=rotary_dim, layout=layout)
+    dy = rng.standard_normal(y.shape).astype(dtype)
+    dx = R.rope_backward(dy, c)
+    monkeypatch.setattr(R, "_KERNEL", False)  # the NumPy lines
+    assert R._kernel() is None
+    y2, c2 = R.rope_forward(x, pos, rotary_dim=rotary_dim, layout=layout)
+    dx2 = R.rope_backward(dy, c2)
+    assert _same(y, y2) and y.strides == y2.strides
+    assert _same(dx, dx2) and dx.strides == dx2.strides
+
+
+@needs_numba
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_swiglu_kernels_bitwise(dtype):
+    rng = np.random.default_rng(0)
+    a = (rng.standard_normal((4, 7, 33)) * 30).astype(dtype)
+    a.flat[:4] = [np.nan, np.inf, -np.inf, 0.0]
+    u, dz = (rng.standard_normal(a.shape).astype(dtype) for _ in range(2))
+    with np.errstate(all="ignore"):
+        sig = 0.5 * (1.0 + np.tanh(0.5 * a))  # the expressions the module had
+        assert _same(S.sigmoid(a), sig)
+        prod, grad = S._kernels()
+        z = prod(a.ravel(), sig.ravel(), u.ravel()).reshape(a.shape)
+        du, da = grad(dz.ravel(), a.ravel(), u.ravel(), sig.ravel(), dz.dtype.type(1.0))
+        assert _same(z, a * sig * u)
+        assert _same(du.reshape(a.shape), dz * (a * sig))
+        assert _same(da.reshape(a.shape), dz * u * (sig * (1.0 + a * (1.0 - sig))))
+
+
+def _reference_ce(logits, targets, ignore_index, eps):
+    """The cross-entropy forward as the module computed it before (every log p formed)."""
+    v = logits.shape[-1]
+    z, t = logits.reshape(-1, v), targets.reshape(-1)
+    valid = t != ignore_index
+    tv = np.where(valid, t, 0)
+    n_valid = int(valid.sum())
+    m = z.max(axis=-1, keepdims=True)
+    e = np.exp(z - m)
+    s = e.sum(axis=-1, keepdims=True)
+    logp = z - m - np.log(s)
+    per = (1.0 - eps) * -logp[np.arange(z.shape[0]), tv] + eps * -logp.mean(axis=-1)
+    loss = float(np.sum(np.where(valid, per, 0))) / n_valid if n_valid else 0.0
+    return loss, np.where(valid[:, None], e / s, 0)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+@pytest.mark.parametrize("ignored", [False, True])
+def test_cross_entropy_forward_bitwise(dtype, eps, ignored):
+    rng = np.random.default_rng(3)
+    z = (rng.standard_normal((4, 9, 13)) * 5).astype(dtype)
+    t = rng.integers(1, 13, (4, 9))
+    if ignored:
+        t[0, :4] = 0
+    loss, c = L.cross_entropy_forward(z, t, ignore_index=0, label_smoothing=eps)
+    ref_loss, ref_probs = _reference_ce(z, t, 0, eps)
+    assert loss == ref_loss
+    assert _same(c.probs, ref_probs)
+
+
+@needs_numba
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_relu_backward_kernel_bitwise(dtype):
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((3, 5, 17)).astype(dtype)
+    dy = rng.standard_normal(x.shape).astype(dtype)
+    x.flat[:9] = [np.nan, 0.0, -0.0, np.inf, -np.inf, 1.0, 1.0, -1.0, 2.0]
+    dy.flat[5:9] = [np.nan, np.inf, -np.inf, -0.0]
+    assert A._relu_grad_kernel() is not None
+    _, c = A.activation_forward(x, "relu")
+    with np.errstate(invalid="ignore"):
+        got, ref = A.activation_backward(dy, c), dy * (x > 0)
+    assert _same(got, ref) and np.array_equal(np.signbit(got), np.signbit(ref))
