@@ -5,9 +5,9 @@ Contenders, round-robin within each round (so drift hits both alike): attngrad's
 path on zero-copy NumPy views) and ``torch.nn.functional.scaled_dot_product_attention``,
 each timing one forward + backward of float32 (B, H, N, D) = (1, 8, N, 64), causal and
 not.  Prints the ratio attngrad / torch of every round, then the medians.  Peak memory:
-each contender once in a fresh process (ru_maxrss of the child minus its baseline after
-the imports and the inputs), so one's buffers never count against the other.  Goal of
-issue 32: ratio <= 1.1, peak <= torch's.
+each contender once in a fresh process (VmHWM of the child over its resident set after
+the imports and the inputs), so one's buffers never count against the other.  The goal:
+ratio <= 1.1, peak <= torch's.
 
     python benchmarks/dropin.py [--sizes 1024,4096] [--rounds 5] [--heads 8] [--dim 64]
 """
@@ -15,9 +15,9 @@ issue 32: ratio <= 1.1, peak <= torch's.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -52,17 +52,24 @@ def _time(name, causal, qkv, do) -> float:
 
 
 def _child(args) -> None:
-    """One contender in this fresh process: print its peak memory above the baseline (MB)."""
+    """One contender in this fresh process: print its peak memory above the baseline (MB):
+    after a warm-up at N=256 (imports, thread pools, compiled kernels, BLAS buffers), the
+    resident set is read, the kernel's high-water mark reset (/proc/self/clear_refs) and one
+    forward + backward runs; peak = VmHWM - VmRSS before (attngrad.bench.memory's method)."""
+    from attngrad.bench.memory import _reset_peak, _status_kib
+
     n, heads, dim, name, causal = int(args[0]), int(args[1]), int(args[2]), args[3], args[4] == "1"
+    warm, wdo = _inputs(256, heads, dim)
+    _step(name, causal, warm, wdo)
+    del warm, wdo
     qkv, do = _inputs(n, heads, dim)
-    if name == "attngrad":  # imports and one-time compilation outside the measured peak
-        warm, wdo = _inputs(256, heads, dim)
-        _step(name, causal, warm, wdo)
-        del warm, wdo
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    gc.collect()
+    base = _status_kib("VmRSS")
+    if base is None or not _reset_peak():
+        print(json.dumps({"peak_mb": float("nan")}))
+        return
     _step(name, causal, qkv, do)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"peak_mb": (peak - base) / 1024}))
+    print(json.dumps({"peak_mb": (_status_kib("VmHWM") - base) / 1024}))
 
 
 def main() -> None:

@@ -4,7 +4,7 @@ A GptOss model built from a config (no download): sinks, alternating sliding-win
 full layers, grouped-query heads, float32, CPU.  One step = forward, loss, backward,
 AdamW update, at a context where eager's (L x L) matrices matter (default 2048).
 Round-robin rounds (ratio attngrad / eager per round, then medians); peak memory of each
-implementation once in a fresh process (ru_maxrss above the baseline after building the
+implementation once in a fresh process (VmHWM above the resident set after building the
 model and one warm-up step at a short context).
 
     python benchmarks/hf_step.py [--context 2048] [--rounds 3] [--layers 2] [--hidden 256]
@@ -13,9 +13,9 @@ model and one warm-up step at a short context).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -58,10 +58,15 @@ def _child(argv) -> None:
     impl, context, layers, hidden, heads, window = argv[0], *map(int, argv[1:])
     model, opt = _model(impl, layers, hidden, heads, window)
     _step(model, opt, min(context, 256))  # imports, compilation, optimizer state
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # the kernel's high-water mark over the resident set before the step, reset first
+    # (/proc/self/clear_refs): ru_maxrss would carry the parent's peak across fork + exec
+    from attngrad.bench.memory import _reset_peak, _status_kib
+
+    gc.collect()
+    base = _status_kib("VmRSS")
+    _reset_peak()
     seconds = _step(model, opt, context)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"peak_mb": (peak - base) / 1024, "seconds": seconds}))
+    print(json.dumps({"peak_mb": (_status_kib("VmHWM") - base) / 1024, "seconds": seconds}))
 
 
 def main() -> None:

@@ -7,15 +7,15 @@ problem as a dense boolean mask in attngrad and a PyTorch gather + autograd vers
 Indices: one list per query row shared by every head (B, 1, Lq, K), as DeepSeek-V3.2's
 indexer gives them, each row K distinct keys (so the boolean mask is the same problem).
 Each contender runs in its own process: time is the best of ``--repeat`` forward+backward
-calls (after one warm-up), peak memory the process's peak RSS growth over that call
+calls (after one warm-up), peak memory the process's high-water mark over its resident set before one more call
 (inputs already allocated).  Prints one table and the ratios to the top-k tiled row.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import multiprocessing as mp
-import resource
 import time
 
 import numpy as np
@@ -32,10 +32,6 @@ def make_inputs(a):
         for i in range(a.lq):
             idx[b, 0, i] = rng.choice(a.lk, a.k, replace=False)
     return q, k, v, do, idx
-
-
-def _rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
 def run_topk(a, inputs):
@@ -94,13 +90,20 @@ def _child(name, a, queue):
     inputs = make_inputs(a)
     call = CONTENDERS[name](a, inputs)
     call()  # warm-up (compiles, workspace)
-    base = _rss_bytes()
     best = float("inf")
     for _ in range(a.repeat):
         t0 = time.perf_counter()
         call()
         best = min(best, time.perf_counter() - t0)
-    queue.put((best, max(_rss_bytes() - base, 0)))
+    # peak: one more call, its high-water mark over the resident set before it
+    # (/proc/self/clear_refs resets the mark: attngrad.bench.memory's method)
+    from attngrad.bench.memory import _reset_peak, _status_kib
+
+    gc.collect()
+    base = _status_kib("VmRSS")
+    _reset_peak()
+    call()
+    queue.put((best, max(_status_kib("VmHWM") - base, 0) * 1024))
 
 
 def main(argv=None):

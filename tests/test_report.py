@@ -168,7 +168,21 @@ def test_cli_report_writes_page(tmp_path, capsys):
     assert "masked (causal) decoder self-attention" in html and "Check:" not in html
 
 
+def test_cli_report_shows_the_variants_asked_for(tmp_path):
+    out = tmp_path / "r.html"
+    assert main(["report", "--flavor", "self", "--no-check", "--variant", "sinks,topk,lse,gate",
+                 "-o", str(out)]) == 0
+    html = out.read_text()
+    for tag in ("(V2)", "(TK1)", "(TK5)", "(LS1)", "(GA1)", "(GA5)"):
+        assert tag in html, tag
+    plain = tmp_path / "plain.html"
+    assert main(["report", "--flavor", "self", "--no-check", "-o", str(plain)]) == 0
+    assert "(TK1)" not in plain.read_text() and "<h2>Variants</h2>" not in plain.read_text()
+
+
 @pytest.mark.parametrize("argv", [
+    ["report", "--flavor", "cross", "--variant", "nonsense", "-o", "x.html"],
+    ["report", "--run", "x", "--variant", "sinks"],
     ["report", "--flavor", "cross", "-o", "/nonexistent-dir/r.html"],
     ["report", "--flavor", "cross"],
     ["report", "--flavor", "diagonal", "-o", "x.html"],

@@ -7,7 +7,9 @@ import shutil
 import sys
 from pathlib import Path
 
+from ..core.variants import ALL_VARIANTS
 from ..formulas import FLAVORS
+from .check import parse_variants
 
 
 def register(sub) -> None:
@@ -31,6 +33,9 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=None,
                    help="seed of the flavor's case (default: the first seed whose sequences all have a "
                         "real key, so that no heatmap is blank: self 0, cross 1, causal 1)")
+    p.add_argument("--variant", type=parse_variants, default=None, metavar="NAMES",
+                   help="with --flavor: add the derivations of these variants, 'all' (V1-V7) or a comma "
+                        f"list of {','.join(ALL_VARIANTS)}, as `attngrad derive --variant` prints them")
     p.add_argument("--no-check", dest="check", action="store_false",
                    help="leave out the check table (which runs autograd and finite differences)")
     p.set_defaults(func=run)
@@ -50,6 +55,8 @@ def run(args) -> int:
     from ..report import flavor_report, run_report, write_atomic
 
     if args.run is not None:
+        if args.variant is not None:
+            raise ValueError("--variant goes with --flavor: a run's report shows the run's own model")
         if not args.run.is_dir():
             raise ValueError(f"--run: no such folder: {args.run}")
         out = args.output or args.run / "report.html"
@@ -73,7 +80,7 @@ def run(args) -> int:
         if shutil.which("dot") is None:
             print("attngrad report: note: Graphviz's dot is not installed (apt-get install graphviz): "
                   "the page says so instead of drawing the graph", file=sys.stderr)
-        html = flavor_report(flavor, seed=args.seed, check=args.check)
+        html = flavor_report(flavor, seed=args.seed, check=args.check, variants=args.variant)
     write_atomic(out, html)
     print(f"wrote {out} ({len(html.encode()) / 1024:.0f} KiB)")
     return 0

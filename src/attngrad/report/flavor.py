@@ -25,6 +25,7 @@ from ..check.runner import REL_FLOOR, case_scale, errors
 from ..formulas import catalogue, evaluate_catalogue, graph_dot, layer_env, numeric_walkthrough
 from ..formulas.catalogue import FLAVOR_TITLES, FLAVORS
 from ..formulas.document import MASKS_AND_SCALE
+from ..formulas.variants import variant_keys
 from .html import esc, page, table
 from .mathml import formula_mathml, symbol_mathml
 from .svg import heatmap
@@ -70,6 +71,7 @@ def graph_svg(flavor: str) -> str | None:
 
 
 def _equations(flavor: str) -> str:
+    """The equations of a catalogue (a flavor, or a variant key of :func:`variant_keys`)."""
     cat = catalogue(flavor)
     out = [f'<details class="symbols"><summary>Symbols ({len(cat.symbols)}): what each letter means and its '
            "shape (per sequence; shapes of one head where the name has h)</summary>",
@@ -81,7 +83,22 @@ def _equations(flavor: str) -> str:
         out.append(f"<h2>{esc(sec.title)}</h2><p>{esc(sec.intro)}</p>")
         for f in sec.formulas:
             out.append(f'<div class="eq"><span class="tag">{esc(f.tag)}</span>{formula_mathml(f)}</div>')
-    out.append(f"<h3>Masks and scale</h3><p>{esc(MASKS_AND_SCALE[flavor])}</p>")
+    if flavor in MASKS_AND_SCALE:
+        out.append(f"<h3>Masks and scale</h3><p>{esc(MASKS_AND_SCALE[flavor])}</p>")
+    return "".join(out)
+
+
+def _variants(variants) -> str:
+    """The derivations ``attngrad derive --variant`` prints, as MathML: the attention core of
+    one head with the sdpa variants (V1-V7, top-k, the lse), then the gated layer."""
+    out = ["<h2>Variants</h2>",
+           '<p class="note">The attention core of one head with the variants asked for '
+           f"(<code>attngrad derive --variant {esc(','.join(variants))}</code>); the printed "
+           "formulas are evaluated against the library by the tests.</p>"]
+    for key in variant_keys(variants):
+        cat = catalogue(key)
+        out.append(f"<h2>{esc(cat.title)}</h2>" if cat.title else "")
+        out.append(_equations(key))
     return "".join(out)
 
 
@@ -171,10 +188,14 @@ def _walkthrough(flavor: str) -> str:
             "(<code>attngrad.formulas.numeric_walkthrough</code>).</p>" + walk.html())
 
 
-def flavor_report(flavor: str, *, seed: int | None = None, check: bool = True) -> str:
-    """The HTML page of one flavor (a string, an :class:`~.html.HTMLPage` that a notebook displays).  ``seed`` None: :func:`default_seed`."""
+def flavor_report(flavor: str, *, seed: int | None = None, check: bool = True, variants=None) -> str:
+    """The HTML page of one flavor (a string, an :class:`~.html.HTMLPage` that a notebook
+    displays).  ``seed`` None: :func:`default_seed`.  ``variants``: names of
+    ``core.variants.ALL_VARIANTS`` (or "all": V1-V7) whose derivations the page adds."""
     if flavor not in FLAVORS:
         raise ValueError(f"flavor must be one of {', '.join(FLAVORS)}; got {flavor!r}")
+    if variants is not None:
+        variant_keys(variants)  # a bad name: ValueError before any work
     seed = default_seed(flavor) if seed is None else seed
     cfg = CheckConfig(flavors=(flavor,), seed=seed)
     data = evaluate_flavor(flavor, cfg)
@@ -200,6 +221,8 @@ def flavor_report(flavor: str, *, seed: int | None = None, check: bool = True) -
         body.append('<p class="note">Solid: forward, labelled with its formula; dashed red: backward, '
                     f'labelled with the local gradient.</p><div class="graph">{svg}</div>')
     body.append(_heatmaps(data))
+    if variants is not None:
+        body.append(_variants(tuple(variants) if not isinstance(variants, str) else (variants,)))
     body.append(_walkthrough(flavor))
     if check:
         body.append(_check_table(cfg))

@@ -1,4 +1,5 @@
-"""The numba kernels of :mod:`.fused` (imported only through it; needs numba).
+"""The numba kernels of :mod:`.fused` (imported only through it; needs numba).  Over 400
+lines because every kernel is an explicit row loop: the fixed summation orders need them.
 
 No "reassoc" fast-math flag (it would undo the exponential's range reduction) and no
 "nnan"/"ninf" (-inf marks masked logits): contraction to FMA and the rest are safe.
