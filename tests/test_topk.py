@@ -78,9 +78,9 @@ def _options(rng, case):
 
 def test_numpy_scatter_matches_the_reference(monkeypatch):
     """The NumPy scatter-add (no numba) gives the reference's dK, dV with repeated keys."""
-    from attngrad.core import topk
+    from attngrad.core import topk_blocks
 
-    monkeypatch.setattr(topk, "scatter_kernel", lambda: None)
+    monkeypatch.setattr(topk_blocks, "scatter_kernel", lambda: None)
     rng = np.random.default_rng(12)
     x = attention_inputs(rng, B, H, HKV, LQ, LK, D, DV)
     idx = _indices(rng, B, HKV, LQ, LK, K)
@@ -182,10 +182,10 @@ def test_index_patterns(data):
 @pytest.mark.parametrize("compiled", [True, False])
 def test_bitwise_deterministic_across_thread_counts(compiled, monkeypatch):
     """Threads 1, 2, 1 give the same bits, with the compiled scatter-add and its NumPy form."""
-    from attngrad.core import topk
+    from attngrad.core import topk_blocks
 
     if not compiled:
-        monkeypatch.setattr(topk, "scatter_kernel", lambda: None)
+        monkeypatch.setattr(topk_blocks, "scatter_kernel", lambda: None)
     rng = np.random.default_rng(4)
     b, h, hkv, lq, lk, d, k = 2, 4, 2, 64, 40, 8, 24
     x = attention_inputs(rng, b, h, hkv, lq, lk, d, d, dtype=np.float32)

@@ -24,7 +24,7 @@ from ..check.report import PRETTY
 from ..check.runner import REL_FLOOR, case_scale, errors
 from ..formulas import catalogue, evaluate_catalogue, graph_dot, layer_env, numeric_walkthrough
 from ..formulas.catalogue import FLAVOR_TITLES, FLAVORS
-from ..formulas.document import MASKS_AND_SCALE
+from ..formulas.document import MASKS_AND_SCALE, derive_document
 from ..formulas.variants import variant_keys
 from .html import esc, page, table
 from .mathml import formula_mathml, symbol_mathml
@@ -89,17 +89,15 @@ def _equations(flavor: str) -> str:
 
 
 def _variants(variants) -> str:
-    """The derivations ``attngrad derive --variant`` prints, as MathML: the attention core of
-    one head with the sdpa variants (V1-V7, top-k, the lse), then the gated layer."""
-    out = ["<h2>Variants</h2>",
-           '<p class="note">The attention core of one head with the variants asked for '
-           f"(<code>attngrad derive --variant {esc(','.join(variants))}</code>); the printed "
-           "formulas are evaluated against the library by the tests.</p>"]
-    for key in variant_keys(variants):
-        cat = catalogue(key)
-        out.append(f"<h2>{esc(cat.title)}</h2>" if cat.title else "")
-        out.append(_equations(key))
-    return "".join(out)
+    """The derivations ``attngrad derive --variant`` prints: the attention core of one head
+    with the sdpa variants (V1-V7, top-k, the lse), then the gated layer.  As the printed
+    text (their formula trees include nodes the MathML renderer does not draw)."""
+    names = ",".join(variants)
+    return ("<h2>Variants</h2>"
+            '<p class="note">The attention core of one head with the variants asked for, as '
+            f"<code>attngrad derive --variant {esc(names)}</code> prints it; the printed formulas are "
+            "evaluated against the library by the tests.</p>"
+            f'<pre class="derive">{esc(derive_document(variants=tuple(variants)))}</pre>')
 
 
 def _heatmaps(data: FlavorData) -> str:
