@@ -144,23 +144,8 @@ def _rotate(xp, x, cos, sin, r: int, layout: str):
 
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
-_KERNEL = None  # the compiled rotation, False when numba is missing
-
-
-def _kernel():
-    """:func:`._rope_kernels.rotate` when the fused kernels are enabled
-    (:func:`attngrad.runtime.fused.enabled`), else None."""
-    global _KERNEL
-    if not fused.enabled():
-        return None
-    if _KERNEL is None:
-        try:
-            from ._rope_kernels import rotate
-        except ImportError:  # pragma: no cover - numba missing
-            _KERNEL = False
-        else:
-            _KERNEL = rotate
-    return _KERNEL or None
+# the compiled rotation (core/_rope_kernels.py) while the fused kernels are on, else None
+_kernel = fused.kernel_loader("attngrad.core._rope_kernels", "rotate")
 
 
 def _compiled(x, cos, sin) -> bool:

@@ -60,20 +60,5 @@ def activation_backward(dy, cache: ActivationCache):
 
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
-_KERNEL = None  # the compiled ReLU backward, False when numba is missing
-
-
-def _relu_grad_kernel():
-    """:func:`._ffn_kernels.relu_grad` when the fused kernels are enabled
-    (:func:`attngrad.runtime.fused.enabled`), else None."""
-    global _KERNEL
-    if not fused.enabled():
-        return None
-    if _KERNEL is None:
-        try:
-            from ._ffn_kernels import relu_grad
-        except ImportError:  # pragma: no cover - numba missing
-            _KERNEL = False
-        else:
-            _KERNEL = relu_grad
-    return _KERNEL or None
+# the compiled ReLU backward (layers/_ffn_kernels.py) while the fused kernels are on, else None
+_relu_grad_kernel = fused.kernel_loader("attngrad.layers._ffn_kernels", "relu_grad")

@@ -42,6 +42,7 @@ environment variable ``ATTNGRAD_NO_NUMBA`` unset, empty or "0".  The first call 
 
 from __future__ import annotations
 
+import importlib
 import os
 from typing import NamedTuple
 
@@ -81,6 +82,25 @@ def enabled() -> bool:
     if _env_disable().strip() not in ("", "0"):
         return False
     return numba_available()
+
+
+def kernel_loader(module: str, name: str):
+    """A function that returns the compiled kernel ``name`` of ``module`` (an absolute
+    module name, imported on the first call) while the fused kernels are :func:`enabled`,
+    else None; a module that cannot be imported (numba missing) counts as no kernel."""
+    found: list = []
+
+    def get():
+        if not enabled():
+            return None
+        if not found:
+            try:
+                found.append(getattr(importlib.import_module(module), name))
+            except ImportError:  # pragma: no cover - numba missing
+                found.append(None)
+        return found[0]
+
+    return get
 
 
 def kernels() -> dict:
