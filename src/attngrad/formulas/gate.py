@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from .catalogue import _FORWARD_INTRO, _SOFTMAX_INTRO, _symbols, layer_env
+from .document import NOTATION
 from .expr import (
     BatchSum,
     ColOnes,
@@ -37,13 +38,7 @@ from .variant_nodes import Func, OneMinus
 GATE_MODES = ("headwise", "elementwise")
 
 GATE_NOTATION = (
-    ("A ∘ B", r"A \odot B", "elementwise (Hadamard) product"),
-    ("Aᵀ", r"A^{\top}", "transpose"),
-    ("rowsum(A)", r"\operatorname{rowsum}(A)", "the column vector of row sums of A"),
-    ("1", r"\mathbf{1}", "a column of ones: v 1ᵀ repeats column v, 1 bᵀ adds b to every row"),
-    ("[A]_h", r"[A]_h", "the columns of head h of A (block h of width D or Dv)"),
-    ("[A_1, …, A_H]", r"[A_1, \dots, A_H]", "the per-head blocks side by side (concatenation)"),
-    ("Σ_b", r"\sum_b", "sum over the sequences b of the batch (all other formulas are per sequence)"),
+    *NOTATION[:7],  # the layer's own notation: products, transpose, rowsum, ones, heads, batch sum
     ("σ(A)", r"\sigma(A)", "the logistic sigmoid 1/(1 + e^(−a)), elementwise"),
     ("expand(g)", r"\operatorname{expand}(g)",
      "headwise: each head's gate repeated over its Dv columns (Lq, H) → (Lq, H·Dv); elementwise: g itself"),
