@@ -6,7 +6,11 @@ path on zero-copy NumPy views) and ``torch.nn.functional.scaled_dot_product_atte
 each timing one forward + backward of float32 (B, H, N, D) = (1, 8, N, 64), causal and
 not.  Prints the ratio attngrad / torch of every round, then the medians.  Peak memory:
 each contender once in a fresh process (VmHWM of the child over its resident set after
-the imports and the inputs), so one's buffers never count against the other.  The goal:
+the imports, a warm-up step of the same size and the inputs), so one's buffers never
+count against the other.  The child runs with glibc's mmap threshold fixed at 128 KiB
+(``MALLOC_MMAP_THRESHOLD_``), so that a freed large buffer leaves the resident set at
+once for both contenders alike, and the warm-up step loads the code pages (BLAS kernels)
+that a step of that size touches: the figure is the step's live memory.  The goal:
 ratio <= 1.1, peak <= torch's.
 
     python benchmarks/dropin.py [--sizes 1024,4096] [--rounds 5] [--heads 8] [--dim 64]
@@ -53,13 +57,14 @@ def _time(name, causal, qkv, do) -> float:
 
 def _child(args) -> None:
     """One contender in this fresh process: print its peak memory above the baseline (MB):
-    after a warm-up at N=256 (imports, thread pools, compiled kernels, BLAS buffers), the
-    resident set is read, the kernel's high-water mark reset (/proc/self/clear_refs) and one
-    forward + backward runs; peak = VmHWM - VmRSS before (attngrad.bench.memory's method)."""
+    after a warm-up step of the same size (imports, thread pools, compiled kernels, BLAS
+    code pages), the resident set is read, the kernel's high-water mark reset
+    (/proc/self/clear_refs) and one forward + backward runs; peak = VmHWM - VmRSS before
+    (attngrad.bench.memory's method)."""
     from attngrad.bench.memory import _reset_peak, _status_kib
 
     n, heads, dim, name, causal = int(args[0]), int(args[1]), int(args[2]), args[3], args[4] == "1"
-    warm, wdo = _inputs(256, heads, dim)
+    warm, wdo = _inputs(n, heads, dim)
     _step(name, causal, warm, wdo)
     del warm, wdo
     qkv, do = _inputs(n, heads, dim)
@@ -101,7 +106,9 @@ def main() -> None:
             for name in ("attngrad", "torch"):
                 cmd = [sys.executable, __file__, "--child", str(n), str(args.heads), str(args.dim), name,
                        "1" if causal else "0"]
-                peaks[name] = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)["peak_mb"]
+                env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
+                run = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
+                peaks[name] = json.loads(run.stdout)["peak_mb"]
             print(f"N={n} causal={causal}: median attngrad {statistics.median(times['attngrad']) * 1e3:.1f} ms, "
                   f"torch {statistics.median(times['torch']) * 1e3:.1f} ms, median ratio "
                   f"{statistics.median(ratios):.2f}; peak MB attngrad {peaks['attngrad']:.1f}, "

@@ -12,6 +12,9 @@ Two operators, each a :func:`torch.library.custom_op` with a fake (meta) kernel,
   path on the tensors themselves (the array API).  ``o_saved``, ``lse`` and ``flat`` are
   the tiled path's residuals (its own O, the row log-sum-exp (FA1) and the rows with a
   constant softmax); ``meta`` = (route, block_q, block_k, has_flat), route 1 = tiled.
+  In float32 and float64 the forward writes O straight into ``out``; ``o_saved`` is the
+  tiled path's own O itself (no copy): O lives twice, never three times, and ``out`` is
+  the caller's to change in place (RELIABILITY 22).
 - ``attngrad::sdpa_backward(dout, ...) -> (dq, dk, dv, dbias, dsinks, dalibi)``: the tiled
   route rebuilds the forward's cache from the residuals (nothing recomputed); the dense
   route recomputes P (it keeps no (Lq x Lk) array between the two ops: a residual must
@@ -83,14 +86,24 @@ def _residual_shapes(q, v):
     return (b, h, lq, v.shape[3]), (b, h, lq)
 
 
-def _empty_residuals(q, v, make=torch.Tensor.new_zeros):
-    """Zeros where a route leaves a residual unused (an op's outputs are deterministic)."""
-    o_shape, row_shape = _residual_shapes(q, v)
-    return (
-        make(q, o_shape, dtype=_saved_dtype(q.dtype)),
-        make(q, row_shape, dtype=torch.float64),
-        make(q, row_shape, dtype=torch.bool),
-    )
+def _unused_o(q, v, make=torch.Tensor.new_zeros):
+    """The ``o_saved`` output of a route that keeps no O: zeros (an op's outputs are
+    deterministic), allocated only then."""
+    return make(q, _residual_shapes(q, v)[0], dtype=_saved_dtype(q.dtype))
+
+
+def _row_residuals(q, v, make=torch.Tensor.new_zeros):
+    """(lse, flat), zeros until a route fills them."""
+    _, row_shape = _residual_shapes(q, v)
+    return make(q, row_shape, dtype=torch.float64), make(q, row_shape, dtype=torch.bool)
+
+
+def _residual_o(o, dtype):
+    """The tiled path's own O (B, H, Lq, Dv) as the residual tensor: the cache's array
+    itself where it has the residual's dtype and layout (the cache is dropped after the
+    op, so nothing else holds it), else a copy."""
+    want = np.float64 if dtype == torch.float64 else np.float32
+    return torch.from_numpy(np.ascontiguousarray(o, dtype=want))
 
 
 @torch.library.custom_op("attngrad::sdpa", mutates_args=())
@@ -118,7 +131,7 @@ def sdpa_op(
     kv_indices (B, Hkv|1, Lq, K) integer, CPU: top-k attention (TK1-TK5).  want_lse: the
     ``lse`` output holds the row log-sum-exp (LS1) on every route (else only the tiled
     routes fill it, as their residual)."""
-    o_saved, lse, flat = _empty_residuals(q, v)
+    lse, flat = _row_residuals(q, v)
     if q.device.type != "cpu":  # the dense path on the tensors' own device (array API)
         if kv_indices is not None:
             raise ValueError(f"kv_indices (top-k attention) runs on CPU tensors; q is on {q.device}")
@@ -128,23 +141,25 @@ def sdpa_op(
         if want_lse:
             lse = attention_lse(cache).to(torch.float64)  # (LS1)
         meta = torch.tensor([DENSE, 0, 0, 0], dtype=torch.int64)
-        return out.to(q.dtype).contiguous(), o_saved, lse, flat, meta
+        return out.to(q.dtype).contiguous(), _unused_o(q, v), lse, flat, meta
     options = _options(bias, mask, key_mask, sinks, alibi, seed, causal, scale, softcap, window, dropout_p, _np,
                        kv_indices)
-    out, cache = forward(_np(q), _np(k), _np(v), options, make_run(impl))  # (A1)-(A3), V1-V6, TK1-TK5
-    out = torch.from_numpy(out).to(q.dtype).contiguous()  # (B, H, Lq, Dv), a fresh array
+    dest = q.new_empty(_residual_shapes(q, v)[0]) if q.dtype in (torch.float32, torch.float64) else None  # (B, H, Lq, Dv)
+    run = make_run(impl, out=None if dest is None else dest.numpy())  # O written into dest: no copy
+    out, cache = forward(_np(q), _np(k), _np(v), options, run)  # (A1)-(A3), V1-V6, TK1-TK5
+    out = dest if dest is not None else torch.from_numpy(out).to(q.dtype).contiguous()  # a fresh array
     if isinstance(cache, TopKCache):
         lse.numpy()[...] = cache.lse  # (TK3)
         if cache.out is None:  # the dense top-k route: P recomputed in the backward
-            return out, o_saved, lse, flat, torch.tensor([TOPK_DENSE, 0, 0, 0], dtype=torch.int64)
-        o_saved.numpy()[...] = cache.out
+            return out, _unused_o(q, v), lse, flat, torch.tensor([TOPK_DENSE, 0, 0, 0], dtype=torch.int64)
+        o_saved = _residual_o(cache.out, _saved_dtype(q.dtype))
         block_q = -1 if cache.tiling.block_q is None else cache.tiling.block_q
         return out, o_saved, lse, flat, torch.tensor([TOPK_TILED, block_q, 0, 0], dtype=torch.int64)
     if not isinstance(cache, TiledCache):
         if want_lse:
             lse.numpy()[...] = attention_lse(cache)  # (LS1) from the dense cache
-        return out, o_saved, lse, flat, torch.tensor([DENSE, 0, 0, 0], dtype=torch.int64)
-    o_saved.numpy()[...] = cache.out  # the cache's own O (not the caller's out)
+        return out, _unused_o(q, v), lse, flat, torch.tensor([DENSE, 0, 0, 0], dtype=torch.int64)
+    o_saved = _residual_o(cache.out, _saved_dtype(q.dtype))  # the cache's own O (not the caller's out)
     lse.numpy()[...] = cache.lse  # (FA1) float64
     has_flat = cache.flat is not None
     if has_flat:
@@ -157,7 +172,8 @@ def sdpa_op(
 def _sdpa_fake(q, k, v, bias, mask, key_mask, sinks, alibi, seed, causal, scale, softcap, window, dropout_p, impl,
                kv_indices=None, want_lse=False):
     o_shape, _ = _residual_shapes(q, v)
-    return (q.new_empty(o_shape), *_empty_residuals(q, v, torch.Tensor.new_empty), q.new_empty((4,), dtype=torch.int64, device="cpu"))
+    return (q.new_empty(o_shape), _unused_o(q, v, torch.Tensor.new_empty), *_row_residuals(q, v, torch.Tensor.new_empty),
+            q.new_empty((4,), dtype=torch.int64, device="cpu"))
 
 
 @torch.library.custom_op("attngrad::sdpa_backward", mutates_args=())
@@ -240,6 +256,7 @@ def _setup_context(ctx, inputs, output):
     kv_indices, want_lse = (*inputs[n:], None, False)[:2]  # the two trailing defaults
     ctx.static = dict(zip(_STATIC, inputs[len(_TENSORS):n], strict=True))
     ctx.want_lse = bool(want_lse)
+    ctx.set_materialize_grads(False)  # no zeros of O's size for the residual outputs' absent gradients
     ctx.n_inputs = len(inputs)
     _, o_saved, lse, flat, meta = output
     # the lse carries a gradient (LS3) when it was asked for, else it is a residual
