@@ -9,7 +9,10 @@ Both use causal ``scaled_dot_product_attention``-equivalent maths, cross-entropy
 ``clip_grad_norm_`` and AdamW (decay on matrices only, as attngrad), the learning rate of
 attngrad's schedule at each step.  Each text batch is random windows of bytes.
 
-Timing is round-robin (one step of attngrad, one of PyTorch, repeated), each thread
+The child process keeps freed memory for reuse, as ``attngrad train`` does
+(:func:`attngrad.runtime.allocator.retain_freed_memory`, glibc's malloc thresholds;
+process-wide, so the PyTorch twin runs with it too).  Timing is round-robin (one step
+of attngrad, one of PyTorch, repeated), each thread
 count in a fresh child process (OMP/MKL/OpenBLAS threads set before NumPy and torch load,
 the child pinned to that many CPUs: attngrad's attention workers count the CPUs it may
 run on, so without the pin "1 thread" would give its tiled attention every core);
@@ -148,6 +151,10 @@ def run_child(args) -> list:
     cpus = pin_cpus(args.threads)  # before attngrad reads the core count
     import numpy as np
     import torch
+
+    from attngrad.runtime.allocator import retain_freed_memory
+
+    retain_freed_memory()  # as ``attngrad train`` does (process-wide: the twin gets it too)
 
     from attngrad.models import MODELS as M
     from attngrad.train.config import TrainConfig

@@ -8,6 +8,7 @@ from pathlib import Path
 from ..layers.activations import ACTIVATIONS
 from ..models import MODELS
 from ..report.run import write_run_report
+from ..runtime.allocator import retain_freed_memory
 from ..runtime.parallel import blas_threads
 from ..train.data import TASKS
 from ..train.loop import RESUMABLE, TrainConfig, flat_fields, resolve_resume, stored_config, train
@@ -154,6 +155,7 @@ def run(args) -> int:
             f"{cfg.task} (lengths {cfg.min_len}-{cfg.max_len}, {cfg.symbols} symbols)")
     print(f"attngrad train: {cfg.model} on {what}, {cfg.steps} steps, batch {cfg.batch_size}, E={cfg.dim}, "
           f"H={cfg.heads}, {cfg.layers} layers, {cfg.dtype} -> {args.out}")
+    retain_freed_memory()  # this process trains: each step's big arrays reuse the last step's pages
     try:
         with blas_threads(args.threads):
             fit = train_dp.rank_train(args) if args.distributed else train  # --distributed: one rank

@@ -41,10 +41,8 @@ def swiglu_grad(dz, a, u, sigma, one):  # pragma: no cover
 
 
 @numba.njit(nogil=True, cache=True)
-def relu_grad(dy, x, one, zero):  # pragma: no cover
-    """1-D dy, x of one dtype, ``one``, ``zero`` in it -> dy [x > 0] (G2), as
+def relu_grad(dy, x, one, zero, dx):  # pragma: no cover
+    """1-D dy, x, dx of one dtype, ``one``, ``zero`` in it: dx <- dy [x > 0] (G2), as
     ``dy * (x > 0)`` (the mask cast to 1 or 0 and multiplied: -0 and NaN as NumPy's)."""
-    dx = np.empty_like(dy)
     for i in range(dy.size):
         dx[i] = dy[i] * (one if x[i] > 0 else zero)  # (G2)
-    return dx

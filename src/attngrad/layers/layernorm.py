@@ -23,6 +23,7 @@ import numpy as np
 
 from ..runtime import fused
 from ..runtime._xp import namespace
+from ..runtime.parallel import fixed_spans, row_spans, run_rows
 from .norm import NormCache, norm_backward, norm_forward
 
 
@@ -40,6 +41,7 @@ def init_layernorm(dim: int, dtype="float64") -> dict:
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 _KERNELS = None  # (layernorm_rows, layernorm_grad_rows) once compiled
+GRAD_SPAN_ROWS = 512  # rows per span of the backward: its dg, db are summed per span, then in span order
 
 
 def _kernels():
@@ -71,7 +73,9 @@ def layernorm_forward(params, x, *, eps: float = 1e-5):
     x2 = np.ascontiguousarray(x).reshape(-1, e)  # (N, E)
     y, xhat = np.empty(x2.shape, x.dtype), np.empty(x2.shape, x.dtype)
     rstd = np.empty(x2.shape[0], x.dtype)
-    _kernels()[0](x2, g, b, float(eps), y, xhat, rstd)  # (N1)-(N4)
+    rows, eps = _kernels()[0], float(eps)
+    run_rows(lambda _i, r0, r1: rows(x2[r0:r1], g, b, eps, y[r0:r1], xhat[r0:r1], rstd[r0:r1]),
+             row_spans(len(x2), x2.size))  # (N1)-(N4) each row alone
     lead = x.shape[:-1]
     return y.reshape(x.shape), LayerNormCache(xhat.reshape(x.shape), rstd.reshape(*lead, 1), g)
 
@@ -88,7 +92,15 @@ def layernorm_backward(dy, cache: LayerNormCache):
     e = dy.shape[-1]
     dy2 = np.ascontiguousarray(dy).reshape(-1, e)  # (N, E)
     dx = np.empty(dy2.shape, dy.dtype)
-    dg, db = np.zeros(e), np.zeros(e)  # (N5) float64 accumulators
-    _kernels()[1](dy2, np.ascontiguousarray(xhat).reshape(-1, e), np.ascontiguousarray(rstd).reshape(-1),
-                  cache.g, dx, dg, db, np.empty(e, dy.dtype))  # (N5), (N6)
+    xh2, rs = np.ascontiguousarray(xhat).reshape(-1, e), np.ascontiguousarray(rstd).reshape(-1)
+    spans = fixed_spans(len(dy2), GRAD_SPAN_ROWS)
+    parts = np.zeros((len(spans), 2, e))  # (N5) float64 accumulators of dg, db per span of rows
+    grad_rows = _kernels()[1]
+
+    def span(i: int, r0: int, r1: int) -> None:
+        grad_rows(dy2[r0:r1], xh2[r0:r1], rs[r0:r1], cache.g, dx[r0:r1], parts[i, 0], parts[i, 1],
+                  np.empty(e, dy.dtype))  # (N5), (N6)
+
+    run_rows(span, spans)
+    dg, db = parts[0] if len(spans) == 1 else parts.sum(axis=0)  # (N5) spans added in order
     return dx.reshape(dy.shape), {"g": dg.astype(dy.dtype), "b": db.astype(dy.dtype)}

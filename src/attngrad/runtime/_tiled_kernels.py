@@ -28,7 +28,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from ._fused_kernels import _jit, dsoftmax_row, exp_row, narrow, online_row
+from ._fused_kernels import _jit, dsoftmax_row, exp_row, narrow, online_row, row_dots
 
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112  # CBLAS enums
 
@@ -309,3 +309,59 @@ def bwd_head(blas, q, k, v, do, lse, delta, dq, dk, dv, flat,  # BwdArrays
     for t in range(8):
         dscale += part[t]
     return dslope, dscale, 0.0 if finite else np.nan
+
+
+# Many heads in one call: a worker's share of the heads runs without returning to Python
+# between heads (no per-head slicing, copying or dispatch there: at Lq = 128 that overhead
+# was several times a head's arithmetic).  Each head is the very call above on its slices,
+# so the results are those of one call per head, bit for bit.
+@_jit
+def fwd_heads(blas, q, k, v, keep, lse, res, s_buf, pv_buf, acc, m, l, rescale,  # 4-D FwdArrays
+              scale, bq, bk, lo, hi,  # Rule; lo, hi (1 or B, Lq) int64
+              softcap, alibi, slopes, offset, has_sink, sinks,  # Variant; slopes, sinks (B*H,) float64
+              group, u0, u1, finite):
+    """:func:`fwd_head` for heads u = b * H + h in [u0, u1) of (B, H, Lq, D) q and (B, Hkv,
+    Lk, D|Dv) k, v (query head h reads key/value head h // group); keep, lse, res of shape
+    (B, H, Lq, Dv | -); finite (B*H,) bool written per head."""
+    H = q.shape[1]
+    nb = lo.shape[0]
+    for u in range(u0, u1):
+        b, h = u // H, u % H
+        bi = b if nb > 1 else 0
+        g = h // group
+        finite[u] = fwd_head(blas, q[b, h], k[b, g], v[b, g], keep[b, h], lse[b, h], res[b, h], s_buf, pv_buf, acc,
+                             m, l, rescale, scale, bq, bk, lo[bi], hi[bi], softcap, alibi, slopes[u], offset,
+                             has_sink, sinks[u])
+
+
+@_jit
+def bwd_heads(blas, q, k, v, do, out, lse, delta, dq, dk, dv,  # 4-D BwdArrays, O (B, H, Lq, Dv)
+              flat, has_flat, no_rows, dlse, has_dlse, form_delta,  # flat, dlse (B, H, Lq) or unused
+              scale, bq, bk, lo, hi,  # Rule; lo, hi (1 or B, Lq) int64
+              softcap, alibi, slopes, offset, has_sink, sinks,  # Variant; slopes, sinks (B*H,) float64
+              s_buf, dp_buf, t_buf, group, u0, u1, sums):
+    """:func:`bwd_head` for the key/value pairs u = b * Hkv + hk in [u0, u1), every key of a
+    pair in one span: its query heads hk * group .. in order, the first zeroing dK, dV.
+    delta (B, H, Lq) float64: formed here where ``form_delta`` (A6, :func:`row_dots` as the
+    float32 path of ``preprocess_delta``, then minus dlse where ``has_dlse``, LS3), else
+    given.  ``flat`` (B, H, Lq) bool where ``has_flat``, else ``no_rows`` (empty) is passed.
+    sums (B, H, 3) float64 written with each head's (dslope, dscale, check)."""
+    Hkv, H, Lk = k.shape[1], q.shape[1], k.shape[2]
+    nb = lo.shape[0]
+    for u in range(u0, u1):
+        b, hk = u // Hkv, u % Hkv
+        bi = b if nb > 1 else 0
+        for g in range(group):
+            h = hk * group + g
+            if form_delta:
+                row_dots(do[b, h], out[b, h], delta[b, h])  # (A6)
+                if has_dlse:
+                    for i in range(delta.shape[2]):
+                        delta[b, h, i] = delta[b, h, i] - dlse[b, h, i]  # (LS3)
+            fl = flat[b, h] if has_flat else no_rows
+            r = bwd_head(blas, q[b, h], k[b, hk], v[b, hk], do[b, h], lse[b, h], delta[b, h], dq[b, h], dk[b, hk],
+                         dv[b, hk], fl, scale, bq, bk, lo[bi], hi[bi], softcap, alibi, slopes[b * H + h], offset,
+                         has_sink, sinks[b * H + h], 0, Lk, g == 0, s_buf, dp_buf, t_buf)
+            sums[b, h, 0] = r[0]
+            sums[b, h, 1] = r[1]
+            sums[b, h, 2] = r[2]

@@ -205,8 +205,8 @@ _PRIVATE = False  # whether _LOOPS' BLAS is not NumPy's (MKL's sequential layer)
 
 
 def tile_loops():
-    """The compiled per-head tile loops of the tiled path, ``(fwd_head, bwd_head, blas)``
-    with ``blas`` = (sgemm address, dgemm address, ilp64) of the BLAS that :mod:`._blas`
+    """The compiled per-head tile loops of the tiled path, ``(fwd_head, bwd_head, blas,
+    fwd_heads, bwd_heads)`` (the last two: many heads in one call) with ``blas`` = (sgemm address, dgemm address, ilp64) of the BLAS that :mod:`._blas`
     picks (MKL where its wheel is installed, else NumPy's own; ``ATTNGRAD_BLAS``), or None
     when numba is missing, ``ATTNGRAD_NO_NUMBA`` is set or no CBLAS is found."""
     global _LOOPS, _PRIVATE
@@ -221,7 +221,7 @@ def tile_loops():
         else:
             from . import _tiled_kernels as t
 
-            _LOOPS = (t.fwd_head, t.bwd_head, (found.sgemm, found.dgemm, found.ilp64))
+            _LOOPS = (t.fwd_head, t.bwd_head, (found.sgemm, found.dgemm, found.ilp64), t.fwd_heads, t.bwd_heads)
             _PRIVATE = found.name != "numpy"
     return _LOOPS or None
 

@@ -283,3 +283,31 @@ def exp_inplace(a):
     for f in [shared_pool().submit(np.exp, c, out=c) for c in chunks]:
         f.result()
     return a
+
+
+ROWS_MIN_SIZE = 1 << 18  # elements below which one thread runs all rows (a hand-out costs tens of us)
+
+
+def row_spans(rows: int, size: int) -> list:
+    """Spans [r0, r1) of ``rows`` rows for :func:`run_rows`: one per available core where
+    the work has at least ROWS_MIN_SIZE elements (``size``), else one.  For row-local work
+    only (each row alone: a split changes no bit); work with sums across rows takes spans
+    fixed by its shape (:func:`fixed_spans`)."""
+    n = max(1, min(rows, available_cores() if size >= ROWS_MIN_SIZE else 1))
+    return [(rows * i // n, rows * (i + 1) // n) for i in range(n)]
+
+
+def fixed_spans(rows: int, per_span: int) -> list:
+    """Spans of ``per_span`` rows (the last shorter): fixed by the shape alone, so partial
+    sums over them, added in span order, give the same bits at any thread count."""
+    return [(r0, min(rows, r0 + per_span)) for r0 in range(0, rows, per_span)] or [(0, 0)]
+
+
+def run_rows(fn: Callable[[int, int, int], None], spans: list) -> None:
+    """``fn(index, r0, r1)`` for each span of ``spans`` (:func:`row_spans`,
+    :func:`fixed_spans`), on every available core where there are several (``fn`` releases
+    the GIL: a compiled kernel, or NumPy ufuncs on slices)."""
+    if len(spans) == 1:
+        fn(0, *spans[0])
+        return
+    run_units(lambda u, _w: fn(u, *spans[u]), len(spans), available_cores(), blas=False)

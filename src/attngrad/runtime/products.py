@@ -5,7 +5,8 @@ NumPy's BLAS (OpenBLAS in NumPy's wheels) runs a threaded product on a pool whos
 threads spin for ~0.1 s after it, yielding the core only now and then; the tiled
 attention that follows a projection runs its own workers on those cores, and loses
 them to the spinning threads (docs/benchmarks.md).  :func:`matmul` instead
-splits C into blocks of CHUNK_ROWS rows, run by :func:`.parallel.run_units` as
+splits C into blocks of CHUNK_ROWS rows (and CHUNK_COLS columns where C has few rows),
+run by :func:`.parallel.run_units` as
 single-threaded products of the compiled loops' CBLAS (:mod:`._blas`: MKL with the
 ``mkl`` extra, else NumPy's own).  The blocks depend on the shapes alone, never on the
 thread count, so neither does a bit of the result (a BLAS may round a row differently
@@ -25,6 +26,8 @@ from . import fused
 from .parallel import available_cores, run_units
 
 CHUNK_ROWS = 256  # rows of C per unit: (1024, 512) x (512, 512) in 4 units
+CHUNK_COLS = 128  # columns of C per unit where C has one block of rows (a weight gradient
+# X^T dY of (E, F): (128, 512) in 4 units, not 1 that leaves every other core idle)
 MIN_FLOPS = 1 << 26  # 2 M K N below this: NumPy (too small to be worth handing out)
 _DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
@@ -112,6 +115,16 @@ def _groups(jobs: list) -> list:
     return groups
 
 
+def _spans(m: int, n: int) -> tuple:
+    """The blocks of an (m, n) C: its rows in CHUNK_ROWS spans, and its columns whole, or
+    in CHUNK_COLS spans where the rows make one span.  Shapes alone decide, never a thread
+    count."""
+    rows = [(r0, min(m, r0 + CHUNK_ROWS)) for r0 in range(0, m, CHUNK_ROWS)]
+    if len(rows) > 1 or n < 2 * CHUNK_COLS:
+        return rows, [(0, n)]
+    return rows, [(c0, min(n, c0 + CHUNK_COLS)) for c0 in range(0, n, CHUNK_COLS)]
+
+
 def matmuls(jobs) -> list:
     """Every :class:`Product` of ``jobs``, as :func:`matmul` forms it (the same blocks, the
     same bits), in one :func:`.parallel.run_units` call where :func:`pooled` takes them all:
@@ -129,18 +142,19 @@ def matmuls(jobs) -> list:
         return [matmuls([j])[0] if t else _numpy(j) for j, t in zip(jobs, takes, strict=True)]
     gemm, blas = fused.products()
     cs = [np.empty(mn, dtype=j.a.dtype) if j.out is None else j.out for j, mn in zip(jobs, shapes, strict=True)]
-    blocks = [(g, r0, min(shapes[g[0]][0], r0 + CHUNK_ROWS)) for g in groups
-              for r0 in range(0, shapes[g[0]][0], CHUNK_ROWS)]  # (products, first row, end row)
+    blocks = [(g, *rows, *cols) for g in groups for rows in _spans(*shapes[g[0]])[0]
+              for cols in _spans(*shapes[g[0]])[1]]  # (products, rows [r0, r1), columns [c0, c1))
 
     def block(unit: int, worker: int) -> None:
-        group, r0, r1 = blocks[unit]
+        group, r0, r1, c0, c1 = blocks[unit]
         for i in group:
             a, b, trans_a, trans_b, bias, _, add = jobs[i]
             rows = a[:, r0:r1] if trans_a else a[r0:r1]  # op(a)'s rows r0 .. r1 - 1
-            c = cs[i][r0:r1]  # (r1 - r0, N)
+            cols = b[c0:c1] if trans_b else b[:, c0:c1]  # op(b)'s columns c0 .. c1 - 1
+            c = cs[i][r0:r1, c0:c1]  # (r1 - r0, c1 - c0)
             if bias is not None:
-                c[...] = bias  # the bias's rows, then C += op(a) op(b)
-            gemm(blas, rows, trans_a, b, trans_b, c, 1.0, 1.0 if add or bias is not None else 0.0)
+                c[...] = bias[c0:c1]  # the bias's rows, then C += op(a) op(b)
+            gemm(blas, rows, trans_a, cols, trans_b, c, 1.0, 1.0 if add or bias is not None else 0.0)
 
     run_units(block, len(blocks), available_cores(), blas=not fused.private_blas())
     return cs

@@ -61,6 +61,8 @@ def forward(q, k, v, prob: Problem, loops: Loops, blocks: Blocks, dest: FwdResul
     cdt = q.dtype
     odt = dest.lse.dtype
     spans = [(0, Lq)] if blocks.threads < 2 else split_spans(Lq, bq, B * H)
+    if len(spans) == 1 and loops.fwd_heads is not None and B * H:
+        return _forward_heads(q, k, v, prob, loops, blocks, dest)
     scratch = {}
     finite = np.ones(B * H * len(spans), dtype=bool)
     variants = [variant(prob, head_of(prob, b, h)) for b in range(B) for h in range(H)]
@@ -86,6 +88,66 @@ def forward(q, k, v, prob: Problem, loops: Loops, blocks: Blocks, dest: FwdResul
         finite[unit] = loops.fwd(loops.blas, *arrays, *rule, *var)
 
     run_units(work, B * H * len(spans), blocks.threads, blas=not fused.private_blas())
+    return bool(finite.all())
+
+
+def _chunks(units: int, threads: int) -> list:
+    """Contiguous ranges [u0, u1) of ``units`` heads or pairs, a few per worker (the
+    split changes no bit: each head is computed alone)."""
+    n = 1 if threads < 2 else max(1, min(units, 4 * threads))
+    return [(units * i // n, units * (i + 1) // n) for i in range(n)]
+
+
+def _per_head(prob: Problem):
+    """(slopes, sinks) (B*H,) float64: each head's ALiBi slope and sink logit (0 for none),
+    as :func:`variant` gives them one head at a time."""
+    B, H = prob.shape[:2]
+    slopes, sinks = np.zeros((B, H)), np.zeros((B, H))
+    if prob.alibi is not None:
+        slopes[...] = prob.alibi  # (1 | B, H)
+    if prob.sinks is not None:
+        sinks[...] = prob.sinks  # (H,)
+    return slopes.reshape(-1), sinks.reshape(-1)
+
+
+def _heads(a):
+    """``a`` (B, H, L, D) itself where BLAS reads each head's rows as they lie (unit stride
+    along a row, rows a whole number of elements apart: e.g. heads split out of a (B, L,
+    H*D) projection), else a contiguous copy."""
+    sz = a.itemsize
+    inner = a.shape[3] < 2 or a.strides[3] == sz
+    outer = a.shape[2] < 2 or (a.strides[2] % sz == 0 and a.strides[2] >= a.shape[3] * sz)
+    return a if inner and outer and min(a.strides) >= 0 else np.ascontiguousarray(a)
+
+
+def _stacked(loops: Loops):
+    """lo, hi (1 or B, Lq) int64: the intervals of every batch row."""
+    return (np.ascontiguousarray(np.stack([iv[i] for iv in loops.intervals])) for i in (0, 1))
+
+
+def _forward_heads(q, k, v, prob: Problem, loops: Loops, blocks: Blocks, dest: FwdResult) -> bool:
+    """:func:`forward` with one span of rows per head: each worker's share of the heads in
+    one compiled call (:func:`._tiled_kernels.fwd_heads`)."""
+    B, H, _, _, _, _, Dv = prob.shape
+    bq, bk = blocks.block_q, blocks.block_k
+    q, k, v = (_heads(a) for a in (q, k, v))  # (no copy of heads split out of a projection)
+    lo, hi = _stacked(loops)
+    var = variant(prob, head_of(prob, 0, 0))  # the constants every head shares
+    slopes, sinks = _per_head(prob)
+    chunks = _chunks(B * H, blocks.threads)
+    finite = np.ones(B * H, dtype=bool)
+    scratch = {}
+
+    def work(index: int, worker: int) -> None:
+        if worker not in scratch:
+            scratch[worker] = (*worker_scratch(q.dtype, bq * bk, bq * Dv, bq, bq, bq, key="tiled.forward"),
+                               worker_scratch(dest.lse.dtype, bq * Dv, key="tiled.forward.acc")[0])
+        s_buf, pv_buf, m, l, rescale, acc = scratch[worker]
+        loops.fwd_heads(loops.blas, q, k, v, dest.out, dest.lse, dest.res, s_buf, pv_buf, acc.reshape(bq, Dv), m,
+                        l, rescale, float(prob.scale), bq, bk, lo, hi, var.softcap, var.alibi, slopes, var.offset,
+                        var.has_sink, sinks, prob.shape.group, *chunks[index], finite)
+
+    run_units(work, len(chunks), blocks.threads, blas=not fused.private_blas())
     return bool(finite.all())
 
 
@@ -195,6 +257,10 @@ def backward(cache, do_all, grads: Grads, loops: Loops, blocks: Blocks, dlse=Non
     rules = [Rule(scale, blocks.block_q, blocks.block_k, *interval(loops, b)) for b in range(B)]
     variants = [variant(prob, head_of(prob, b, h)) for b in range(B) for h in range(H)]
     call = BwdCall(cache, do_all, grads, loops, blocks, spans, np.zeros((len(spans), B, H, 3)), rules, variants, dlse)
+    if len(spans) == 1 and loops.bwd_heads is not None and B * H:
+        _backward_pairs(call)
+        grads.per_head[..., :2] = call.sums[0, ..., :2]
+        return bool(np.isfinite(call.sums[..., 1:]).all())
     shares = DqShares(grads.dq, len(spans), G)
     scratch: dict = {}
 
@@ -215,3 +281,43 @@ def backward(cache, do_all, grads: Grads, loops: Loops, blocks: Blocks, dlse=Non
     run_units(work, B * Hkv * len(spans), blocks.threads, blas=not fused.private_blas())
     grads.per_head[..., :2] = call.sums[..., :2].sum(axis=0)
     return bool(np.isfinite(call.sums[..., 1:]).all())  # dscale and the delta check
+
+
+def _backward_pairs(call: BwdCall) -> None:
+    """:func:`backward` with every key of a pair in one span: each worker's share of the
+    (batch, key/value head) pairs in one compiled call (:func:`._tiled_kernels.bwd_heads`),
+    delta (A6) formed there for float32 as :func:`preprocess_delta` forms it."""
+    cache, grads, loops, blocks = call.cache, call.grads, call.loops, call.blocks
+    prob = cache.problem
+    B, H, Hkv, Lq = prob.shape[:4]
+    q, k, v, do = (_heads(a) for a in (cache.q, cache.k, cache.v, call.do))  # do (B, H, Lq, Dv)
+    lo, hi = _stacked(loops)
+    var = variant(prob, head_of(prob, 0, 0))
+    slopes, sinks = _per_head(prob)
+    delta = np.empty((B, H, Lq))  # (A6) float64
+    form = cache.out.dtype == np.float32  # (else delta per head here, as preprocess_delta does)
+    if not form:
+        for b in range(B):
+            for h in range(H):
+                delta[b, h] = preprocess_delta(do[b, h], cache.out[b, h])  # (A6)
+        if call.dlse is not None:
+            delta -= call.dlse  # (LS3)
+    flat = _NO_ROWS.reshape(0, 0, 0) if cache.flat is None else np.ascontiguousarray(
+        np.broadcast_to(cache.flat, (B, H, Lq)))
+    dlse = np.zeros((0, 0, 0)) if call.dlse is None else np.ascontiguousarray(call.dlse, dtype=np.float64)
+    chunks = _chunks(B * Hkv, blocks.threads)
+    sums = call.sums[0]  # (B, H, 3)
+    scratch: dict = {}
+
+    def work(index: int, worker: int) -> None:
+        s_buf, dp_buf, t_buf = _scratch(call, scratch, worker)
+        loops.bwd_heads(loops.blas, q, k, v, do, cache.out, cache.lse, delta, grads.dq, grads.dk, grads.dv, flat,
+                        cache.flat is not None, _NO_ROWS, dlse, call.dlse is not None, form, float(prob.scale),
+                        blocks.block_q, blocks.block_k, lo, hi, var.softcap, var.alibi, slopes, var.offset,
+                        var.has_sink, sinks, s_buf, dp_buf, t_buf, prob.shape.group, *chunks[index], sums)
+
+    run_units(work, len(chunks), blocks.threads, blas=not fused.private_blas())
+    if prob.sinks is not None:
+        for b in range(B):
+            for h in range(H):
+                sink_grad(grads.per_head, head_of(prob, b, h), cache.lse[b, h], delta[b, h])  # (V2)

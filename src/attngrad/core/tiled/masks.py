@@ -132,6 +132,8 @@ class Loops(NamedTuple):
     bwd: object  # bwd_head
     blas: tuple  # (sgemm, dgemm, ilp64)
     intervals: list  # per batch row b: (lo, hi) (Lq,) int64 each
+    fwd_heads: object = None  # fwd_head over a range of heads in one call
+    bwd_heads: object = None  # bwd_head over a range of key/value pairs in one call
 
 
 def _intervals(prob: Problem):
@@ -160,7 +162,7 @@ def compiled_loops(prob: Problem, tiling: Tiling) -> Loops | None:
     on and NumPy's CBLAS is found; else None (the NumPy tile loop)."""
     found = fused.tile_loops() if tiling.fused else None
     intervals = None if found is None else _covered_intervals(prob)
-    return None if intervals is None else Loops(*found, intervals)
+    return None if intervals is None else Loops(*found[:3], intervals, *found[3:])
 
 
 def interval(loops: Loops, b: int):
