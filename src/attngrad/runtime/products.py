@@ -115,6 +115,11 @@ def _groups(jobs: list) -> list:
     return groups
 
 
+def _inner(job: Product) -> int:
+    """K of a product op(a) op(b): the length of each sum."""
+    return job.a.shape[0] if job.trans_a else job.a.shape[1]
+
+
 def _spans(m: int, n: int) -> tuple:
     """The blocks of an (m, n) C: its rows in CHUNK_ROWS spans, and its columns whole, or
     in CHUNK_COLS spans where the rows make one span.  Shapes alone decide, never a thread
@@ -144,6 +149,10 @@ def matmuls(jobs) -> list:
     cs = [np.empty(mn, dtype=j.a.dtype) if j.out is None else j.out for j, mn in zip(jobs, shapes, strict=True)]
     blocks = [(g, *rows, *cols) for g in groups for rows in _spans(*shapes[g[0]])[0]
               for cols in _spans(*shapes[g[0]])[1]]  # (products, rows [r0, r1), columns [c0, c1))
+    # the costliest blocks first (a weight gradient's block sums over every row of X: many
+    # times a row block's work), so that the workers end together on small ones; each block
+    # is formed alone, so the order changes no bit
+    blocks.sort(key=lambda blk: -(blk[2] - blk[1]) * (blk[4] - blk[3]) * sum(_inner(jobs[i]) for i in blk[0]))
 
     def block(unit: int, worker: int) -> None:
         group, r0, r1, c0, c1 = blocks[unit]
