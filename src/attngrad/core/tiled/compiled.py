@@ -5,7 +5,10 @@ split changes no bit.  Backward units are (batch, key/value head, span of keys) 
 key-tile boundaries: each unit owns its rows of dK and dV; the first span of a pair
 writes dQ itself, every other span its own share of dQ, added to dQ in span order once
 the pair's last span is done (:class:`DqShares`), so neither the split nor the thread
-count changes a bit.
+count changes a bit.  Where every head or pair is one span (many heads, short rows: a
+language model's B * H heads of 128 positions), each worker's share of them runs in one
+compiled call (``fwd_heads``, ``bwd_heads``: the same per-head kernels, no Python between
+heads), so the results are those of one call per head, bit for bit.
 """
 
 from __future__ import annotations
