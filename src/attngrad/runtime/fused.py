@@ -206,8 +206,8 @@ _PRIVATE = False  # whether _LOOPS' BLAS is not NumPy's (MKL's sequential layer)
 
 def tile_loops():
     """The compiled per-head tile loops of the tiled path, ``(fwd_head, bwd_head, blas,
-    fwd_heads, bwd_heads)`` (the last two: many heads in one call) with ``blas`` = (sgemm address, dgemm address, ilp64) of the BLAS that :mod:`._blas`
-    picks (MKL where its wheel is installed, else NumPy's own; ``ATTNGRAD_BLAS``), or None
+    fwd_heads, bwd_heads)`` (the last two: many heads in one call), ``blas`` = (sgemm
+    address, dgemm address, ilp64) of the BLAS that :mod:`._blas` picks (MKL where its wheel is installed, else NumPy's own; ``ATTNGRAD_BLAS``), or None
     when numba is missing, ``ATTNGRAD_NO_NUMBA`` is set or no CBLAS is found."""
     global _LOOPS, _PRIVATE
     if not enabled():

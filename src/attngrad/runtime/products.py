@@ -4,10 +4,9 @@ gradients), so that no BLAS thread pool of its own is left spinning beside those
 NumPy's BLAS (OpenBLAS in NumPy's wheels) runs a threaded product on a pool whose
 threads spin for ~0.1 s after it, yielding the core only now and then; the tiled
 attention that follows a projection runs its own workers on those cores, and loses
-them to the spinning threads (docs/benchmarks.md).  :func:`matmul` instead
-splits C into blocks of CHUNK_ROWS rows (and CHUNK_COLS columns where C has few rows),
-run by :func:`.parallel.run_units` as
-single-threaded products of the compiled loops' CBLAS (:mod:`._blas`: MKL with the
+them to the spinning threads (docs/benchmarks.md).  :func:`matmul` instead splits C
+into blocks of CHUNK_ROWS rows (and CHUNK_COLS columns where C has few rows), run by
+:func:`.parallel.run_units` as single-threaded products of the compiled loops' CBLAS (:mod:`._blas`: MKL with the
 ``mkl`` extra, else NumPy's own).  The blocks depend on the shapes alone, never on the
 thread count, so neither does a bit of the result (a BLAS may round a row differently
 in products of different heights).
@@ -32,7 +31,7 @@ MIN_FLOPS = 1 << 26  # 2 M K N below this: NumPy (too small to be worth handing 
 _DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
-def _rows(x) -> bool:
+def blas_rows(x) -> bool:
     """A 2-D array whose rows BLAS can read or write as they lie: elements adjacent within
     a row, rows apart by a whole number of elements, at least a row's length."""
     rows, cols = x.shape
@@ -45,7 +44,7 @@ def _blas_operands(a, b) -> bool:
     """a, b are 2-D NumPy arrays of one float dtype whose rows CBLAS reads as they lie."""
     if type(a) is not np.ndarray or type(b) is not np.ndarray or a.ndim != 2 or b.ndim != 2:
         return False
-    return a.dtype in _DTYPES and b.dtype == a.dtype and _rows(a) and _rows(b)
+    return a.dtype in _DTYPES and b.dtype == a.dtype and blas_rows(a) and blas_rows(b)
 
 
 def pooled(a, b, out=None, *, trans_a: bool = False, trans_b: bool = False, bias=None) -> bool:
@@ -54,7 +53,7 @@ def pooled(a, b, out=None, *, trans_a: bool = False, trans_b: bool = False, bias
         return False
     if bias is not None and (type(bias) is not np.ndarray or bias.dtype != a.dtype or bias.ndim != 1):
         return False
-    if out is not None and (type(out) is not np.ndarray or out.dtype != a.dtype or not _rows(out)
+    if out is not None and (type(out) is not np.ndarray or out.dtype != a.dtype or not blas_rows(out)
                             or not out.flags.writeable or np.may_share_memory(out, a)
                             or np.may_share_memory(out, b)):
         return False  # (NumPy's matmul buffers an out that overlaps its inputs)

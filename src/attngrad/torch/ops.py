@@ -99,11 +99,10 @@ def _row_residuals(q, v, make=torch.Tensor.new_zeros):
 
 
 def _residual_o(o, dtype):
-    """The tiled path's own O (B, H, Lq, Dv) as the residual tensor: the cache's array
-    itself where it has the residual's dtype and layout (the cache is dropped after the
-    op, so nothing else holds it), else a copy."""
-    want = np.float64 if dtype == torch.float64 else np.float32
-    return torch.from_numpy(np.ascontiguousarray(o, dtype=want))
+    """The tiled path's own O (B, H, Lq, Dv) as the residual tensor of ``dtype``: the
+    cache's array itself where it has that dtype and layout (the cache is dropped after
+    the op, so nothing else holds it), else a copy."""
+    return torch.from_numpy(o).to(dtype).contiguous()
 
 
 @torch.library.custom_op("attngrad::sdpa", mutates_args=())

@@ -22,6 +22,7 @@ from ...runtime import fused
 from ...runtime._xp import Array
 from ...runtime.fused import BwdArrays, FwdArrays, KeySpan, Rule, Variant
 from ...runtime.parallel import run_units
+from ...runtime.products import blas_rows
 from ..problem import Problem
 from .cache import worker_scratch
 from .loop import Grads, Head, head_of, preprocess_delta, sink_grad
@@ -114,13 +115,10 @@ def _per_head(prob: Problem):
 
 
 def _heads(a):
-    """``a`` (B, H, L, D) itself where BLAS reads each head's rows as they lie (unit stride
-    along a row, rows a whole number of elements apart: e.g. heads split out of a (B, L,
-    H*D) projection), else a contiguous copy."""
-    sz = a.itemsize
-    inner = a.shape[3] < 2 or a.strides[3] == sz
-    outer = a.shape[2] < 2 or (a.strides[2] % sz == 0 and a.strides[2] >= a.shape[3] * sz)
-    return a if inner and outer and min(a.strides) >= 0 else np.ascontiguousarray(a)
+    """``a`` (B, H, L, D), B, H >= 1, itself where BLAS reads each head's rows as they lie
+    (:func:`~attngrad.runtime.products.blas_rows`: e.g. heads split out of a (B, L, H*D)
+    projection), else a contiguous copy."""
+    return a if blas_rows(a[0, 0]) else np.ascontiguousarray(a)
 
 
 def _stacked(loops: Loops):
