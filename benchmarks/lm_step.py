@@ -202,11 +202,16 @@ def run_child(args) -> list:
 
             l0 = (ours(1), theirs(1))  # same weights, same batch: the same first loss
             times = {"attngrad": [], "torch": []}
+            nxt = {"attngrad": 2, "torch": 2}  # each contender's next step number (its learning rate)
             for i in range(args.warmup + args.repeats):
                 for name, fn in (("attngrad", ours), ("torch", theirs)):
+                    for _ in range(args.settle):  # the contender's own step first, as in its own loop
+                        fn(nxt[name])
+                        nxt[name] += 1
                     t0 = time.perf_counter()
-                    fn(i + 2)
+                    fn(nxt[name])
                     dt = time.perf_counter() - t0
+                    nxt[name] += 1
                     if i >= args.warmup:
                         times[name].append(dt)
             ratios = [a / b for a, b in zip(times["attngrad"], times["torch"], strict=True)]
@@ -228,6 +233,8 @@ def main() -> None:
     ap.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     ap.add_argument("--repeats", type=int, default=20, help="timed rounds (default 20)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed rounds first (default 3)")
+    ap.add_argument("--settle", type=int, default=1,
+                    help="untimed steps of a contender just before each of its timed steps (default 1)")
     ap.add_argument("--json", default=None, metavar="FILE", help="also write the rows as JSON")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -240,7 +247,8 @@ def main() -> None:
     for n in args.threads:
         env = {**os.environ, **{k: str(n) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")}}
         cmd = [sys.executable, os.path.abspath(__file__), "--child", "--threads", str(n), "--sizes", *args.sizes,
-               "--models", *args.models, "--repeats", str(args.repeats), "--warmup", str(args.warmup)]
+               "--models", *args.models, "--repeats", str(args.repeats), "--warmup", str(args.warmup),
+               "--settle", str(args.settle)]
         res = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
         if res.returncode:
             sys.exit(f"child with {n} thread(s) failed:\n{res.stderr[-3000:]}")
@@ -250,7 +258,7 @@ def main() -> None:
     import torch
 
     print(f"one language-model training step, float32, attngrad / PyTorch eager twin, round-robin "
-          f"({args.repeats} rounds after {args.warmup}); {platform.processor() or platform.machine()}, "
+          f"({args.repeats} rounds after {args.warmup}, {args.settle} untimed step(s) before each timed one); {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} CPUs; load average {load0[0]:.2f} before, {load1[0]:.2f} after")
     print(f"{'size':<8} {'model':<8} {'thr':>3} {'B x T':>9} {'attngrad ms':>11} {'torch ms':>9} "
           f"{'attngrad tok/s':>14} {'torch tok/s':>11} {'ratio med [min, max]':>22}")

@@ -13,8 +13,9 @@ from attngrad.runtime import parallel
 def _all(monkeypatch, cores: int):
     monkeypatch.setattr(parallel, "available_cores", lambda: cores)
     rng = np.random.default_rng(5)
-    x = rng.standard_normal((12, 130, 256)).astype(np.float32)  # 1560 rows, above ROWS_MIN_SIZE values
-    assert len(parallel.row_spans(1560, x.size)) == cores  # the rows are split, one span per core
+    x = rng.standard_normal((12, 350, 256)).astype(np.float32)  # 4200 rows, above ROWS_MIN_SIZE values
+    assert x.size >= parallel.ROWS_MIN_SIZE
+    assert len(parallel.row_spans(4200, x.size)) == cores  # the rows are split, one span per core
     dy = rng.standard_normal(x.shape).astype(np.float32)
     p = {"g": rng.standard_normal(256).astype(np.float32), "b": rng.standard_normal(256).astype(np.float32)}
     y, c = layernorm.layernorm_forward(p, x)
@@ -55,3 +56,35 @@ def test_relu_keeps_nan_and_signed_zero():
     assert np.array_equal(np.signbit(y), np.signbit(np.maximum(x, 0)))
     dy = np.ones_like(x)
     np.testing.assert_array_equal(activations.activation_backward(dy, c), dy * (x > 0))
+
+
+def test_run_rows_below_the_size_runs_every_span_in_order_on_the_caller(monkeypatch):
+    import threading
+
+    monkeypatch.setattr(parallel, "available_cores", lambda: 2)
+    spans = parallel.fixed_spans(2000, 512)
+    seen = []
+    parallel.run_rows(lambda i, r0, r1: seen.append((i, r0, r1, threading.get_ident())), spans,
+                      size=parallel.ROWS_MIN_SIZE - 1)
+    assert [s[:3] for s in seen] == [(i, *sp) for i, sp in enumerate(spans)]
+    assert {s[3] for s in seen} == {threading.get_ident()}
+    seen.clear()
+    parallel.run_rows(lambda i, r0, r1: seen.append((i, r0, r1, threading.get_ident())), spans,
+                      size=parallel.ROWS_MIN_SIZE)
+    assert sorted(s[:3] for s in seen) == [(i, *sp) for i, sp in enumerate(spans)]
+
+
+def test_layernorm_backward_has_the_same_bits_split_or_not(monkeypatch):
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((3, 700, 64)).astype(np.float32)  # 2100 rows: 5 fixed spans
+    dy = rng.standard_normal(x.shape).astype(np.float32)
+    p = {"g": rng.standard_normal(64).astype(np.float32), "b": rng.standard_normal(64).astype(np.float32)}
+    monkeypatch.setattr(parallel, "available_cores", lambda: 2)
+    out = []
+    for threshold in (1, 1 << 40):  # every span on the workers, then all on the caller
+        monkeypatch.setattr(parallel, "ROWS_MIN_SIZE", threshold)
+        _, c = layernorm.layernorm_forward(p, x)
+        dx, g = layernorm.layernorm_backward(dy, c)
+        out.append((dx, g["g"], g["b"]))
+    for a, b in zip(*out, strict=True):
+        assert np.array_equal(a, b)

@@ -101,6 +101,6 @@ def layernorm_backward(dy, cache: LayerNormCache):
         grad_rows(dy2[r0:r1], xh2[r0:r1], rs[r0:r1], cache.g, dx[r0:r1], parts[i, 0], parts[i, 1],
                   np.empty(e, dy.dtype))  # (N5), (N6)
 
-    run_rows(span, spans)
+    run_rows(span, spans, dy2.size)
     dg, db = parts[0] if len(spans) == 1 else parts.sum(axis=0)  # (N5) spans added in order
     return dx.reshape(dy.shape), {"g": dg.astype(dy.dtype), "b": db.astype(dy.dtype)}

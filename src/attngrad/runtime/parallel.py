@@ -285,7 +285,11 @@ def exp_inplace(a):
     return a
 
 
-ROWS_MIN_SIZE = 1 << 18  # elements below which one thread runs all rows (a hand-out costs tens of us)
+# Elements below which one thread runs all rows: a hand-out costs tens of microseconds, and
+# more where NumPy's threaded BLAS has left a thread spinning on the other cores (at the
+# default language model's (4096, 64) rows, splitting them made the two-thread step ~7 %
+# slower; docs/benchmarks.md).
+ROWS_MIN_SIZE = 1 << 20
 
 
 def row_spans(rows: int, size: int) -> list:
@@ -303,11 +307,14 @@ def fixed_spans(rows: int, per_span: int) -> list:
     return [(r0, min(rows, r0 + per_span)) for r0 in range(0, rows, per_span)] or [(0, 0)]
 
 
-def run_rows(fn: Callable[[int, int, int], None], spans: list) -> None:
+def run_rows(fn: Callable[[int, int, int], None], spans: list, size: int | None = None) -> None:
     """``fn(index, r0, r1)`` for each span of ``spans`` (:func:`row_spans`,
     :func:`fixed_spans`), on every available core where there are several (``fn`` releases
-    the GIL: a compiled kernel, or NumPy ufuncs on slices)."""
-    if len(spans) == 1:
-        fn(0, *spans[0])
+    the GIL: a compiled kernel, or NumPy ufuncs on slices); ``size``, the work's element
+    count where given: below ROWS_MIN_SIZE one thread runs every span, in order (fixed
+    spans: the same bits either way)."""
+    if len(spans) == 1 or (size is not None and size < ROWS_MIN_SIZE):
+        for i, (r0, r1) in enumerate(spans):
+            fn(i, r0, r1)
         return
     run_units(lambda u, _w: fn(u, *spans[u]), len(spans), available_cores(), blas=False)

@@ -168,6 +168,20 @@ def matmuls(jobs) -> list:
     return cs
 
 
+ALONE_MIN_FLOPS = 1 << 28  # 2 M K N from which a layer's own products (not beside the
+# attention core) run on the workers: at a char-sized language model's feed-forward and
+# output layers (2^29 flops a product) NumPy's threaded BLAS leaves a thread spinning that
+# slows the next hand-out of the workers; at the default size's (2^26) it is the faster
+
+
+def alone(m: int, k: int, n: int) -> bool:
+    """Whether a layer whose products are not beside the attention core (a feed-forward or
+    output layer) runs its (m, k) x (k, n) products on the workers (``pool=True`` of
+    :func:`attngrad.runtime.ops.matmul`): from ALONE_MIN_FLOPS.  Shapes alone decide, never a
+    thread count (docs/benchmarks.md, the language-model step)."""
+    return 2 * m * k * n >= ALONE_MIN_FLOPS
+
+
 SERIAL_MAX_FLOPS = 1 << 25  # 2 M K N below this: one thread, where a threaded BLAS gains little
 
 

@@ -1,0 +1,66 @@
+"""The affine layer's products on the tiled path's workers from products.ALONE_MIN_FLOPS:
+right (float64 reference written here), the same bits at any core count, and on the
+workers exactly where the size rule says."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from attngrad.layers import linear
+from attngrad.runtime import fused, parallel, products
+
+pytestmark = pytest.mark.skipif(fused.products() is None, reason="the pooled products need numba")
+
+
+def test_the_size_rule_reads_shapes_only():
+    assert products.alone(4096, 128, 512)  # a char-sized feed-forward product: 2^29 flops
+    assert not products.alone(4096, 64, 128)  # the default size's: 2^26
+    assert products.alone(1, 1, products.ALONE_MIN_FLOPS // 2) and not products.alone(1, 1, products.ALONE_MIN_FLOPS // 2 - 1)
+
+
+def _layer(rng, n, e, f, dtype):
+    x = rng.standard_normal((n // 64, 64, e)).astype(dtype)
+    p = {"W": (rng.standard_normal((e, f)) / np.sqrt(e)).astype(dtype), "b": rng.standard_normal(f).astype(dtype)}
+    dy = rng.standard_normal((n // 64, 64, f)).astype(dtype)
+    y, c = linear.linear_forward(p, x)
+    dx, g = linear.linear_backward(dy, c)
+    return x, p, dy, [y, dx, g["W"], g["b"]]
+
+
+@pytest.mark.parametrize("shape", [(4096, 128, 512), (2048, 512, 128), (256, 64, 32)])
+def test_pooled_or_not_the_layer_matches_a_float64_reference(shape):
+    rng = np.random.default_rng(0)
+    x, p, dy, (y, dx, dw, db) = _layer(rng, *shape, np.float32)
+    x64, w64, dy64 = (a.astype(np.float64) for a in (x, p["W"], dy))
+    x2, dy2 = x64.reshape(-1, x.shape[-1]), dy64.reshape(-1, dy.shape[-1])
+    ref = [x64 @ w64 + p["b"], dy64 @ w64.T, x2.T @ dy2, dy2.sum(axis=0)]
+    for got, want in zip([y, dx, dw, db], ref, strict=True):
+        scale = np.abs(want).max()
+        assert got.dtype == np.float32
+        assert np.abs(got - want).max() <= 1e-5 * scale * np.sqrt(x.shape[-1] + dy.shape[-1] + len(x2))
+
+
+@pytest.mark.parametrize("cores", [2, 3])
+def test_pooled_layer_has_the_same_bits_on_any_number_of_cores(monkeypatch, cores):
+    shape = (4096, 128, 512)
+    assert products.alone(*shape)
+    with monkeypatch.context() as m:
+        m.setattr(parallel, "available_cores", lambda: 1)
+        m.setattr(products, "available_cores", lambda: 1)
+        one = _layer(np.random.default_rng(3), *shape, np.float32)[3]
+    monkeypatch.setattr(parallel, "available_cores", lambda: cores)
+    monkeypatch.setattr(products, "available_cores", lambda: cores)
+    many = _layer(np.random.default_rng(3), *shape, np.float32)[3]
+    for a, b in zip(one, many, strict=True):
+        assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("shape", [(4096, 128, 512), (4096, 64, 128)])
+def test_the_layer_uses_the_workers_exactly_where_the_rule_says(monkeypatch, shape):
+    calls = []
+    real = products.matmuls
+    monkeypatch.setattr(products, "matmuls", lambda jobs: calls.append(len(jobs)) or real(jobs))
+    _layer(np.random.default_rng(1), *shape, np.float32)
+    assert (len(calls) == 3) == products.alone(*shape)  # forward, dW, dX
+    assert calls == [1, 1, 1] or calls == []
