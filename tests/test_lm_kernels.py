@@ -53,8 +53,9 @@ def test_swiglu_kernels_bitwise(dtype):
         sig = 0.5 * (1.0 + np.tanh(0.5 * a))  # the expressions the module had
         assert _same(S.sigmoid(a), sig)
         prod, grad = S._kernels()
-        z = prod(a.ravel(), sig.ravel(), u.ravel()).reshape(a.shape)
-        du, da = grad(dz.ravel(), a.ravel(), u.ravel(), sig.ravel(), dz.dtype.type(1.0))
+        z, du, da = (np.empty_like(a) for _ in range(3))
+        prod(a.ravel(), sig.ravel(), u.ravel(), z.reshape(-1))
+        grad(dz.ravel(), a.ravel(), u.ravel(), sig.ravel(), dz.dtype.type(1.0), du.reshape(-1), da.reshape(-1))
         assert _same(z, a * sig * u)
         assert _same(du.reshape(a.shape), dz * (a * sig))
         assert _same(da.reshape(a.shape), dz * u * (sig * (1.0 + a * (1.0 - sig))))
@@ -104,3 +105,48 @@ def test_relu_backward_kernel_bitwise(dtype):
     with np.errstate(invalid="ignore"):
         got, ref = A.activation_backward(dy, c), dy * (x > 0)
     assert _same(got, ref) and np.array_equal(np.signbit(got), np.signbit(ref))
+
+
+@needs_numba
+@pytest.mark.parametrize("cores", [1, 2, 3])
+def test_swiglu_layer_bitwise_the_numpy_lines_on_any_number_of_cores(monkeypatch, cores):
+    """The layer's rows split across the cores (from ROWS_MIN_SIZE values) give the bits of
+    the NumPy expressions on one thread."""
+    from attngrad.runtime import parallel
+
+    rng = np.random.default_rng(4)
+    e, f = 16, 96
+    h = rng.standard_normal((4, 2800, e)).astype(np.float32)  # (N, F) = (11200, 96): above ROWS_MIN_SIZE
+    assert h.size * f // e >= parallel.ROWS_MIN_SIZE
+    p = {k: (rng.standard_normal(s) / 4).astype(np.float32) for k, s in
+         (("W_gate", (e, f)), ("W_up", (e, f)), ("W_down", (f, e)))}
+    df = rng.standard_normal(h.shape).astype(np.float32)
+    monkeypatch.setattr(parallel, "available_cores", lambda: cores)
+    out, c = S.swiglu_forward(p, h)
+    dh, g = S.swiglu_backward(df, c)
+    a, u = c.a, c.u
+    sig = 0.5 * (1.0 + np.tanh(0.5 * a))
+    assert _same(c.sigma, sig)
+    assert _same(c.down.x, a * sig * u)
+    monkeypatch.setattr(S, "_kernels", lambda: None)  # the NumPy lines, one thread
+    dh2, g2 = S.swiglu_backward(df, c)
+    assert _same(dh, dh2) and all(_same(g[k], g2[k]) for k in g)
+
+
+@needs_numba
+@pytest.mark.parametrize("cores", [2, 3])
+@pytest.mark.parametrize("batch_positions", [False, True])
+def test_rope_split_over_the_batch_changes_no_bit(monkeypatch, cores, batch_positions):
+    from attngrad.runtime import parallel
+
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((5, 4, 1024, 64)).astype(np.float32)  # above ROWS_MIN_SIZE values
+    assert x.size >= parallel.ROWS_MIN_SIZE
+    pos = rng.integers(0, 4096, (5, 1024)) if batch_positions else None
+    dy = rng.standard_normal(x.shape).astype(np.float32)
+    out = []
+    for n in (1, cores):
+        monkeypatch.setattr(parallel, "available_cores", lambda n=n: n)
+        y, c = R.rope_forward(x, pos)
+        out.append((y, R.rope_backward(dy, c)))
+    assert _same(out[0][0], out[1][0]) and _same(out[0][1], out[1][1])

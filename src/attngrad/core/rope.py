@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..runtime import fused
+from ..runtime.parallel import row_spans, run_rows
 from ..runtime._xp import (
     Array,
     check_array,
@@ -135,7 +136,13 @@ def _rotate(xp, x, cos, sin, r: int, layout: str):
     kernel = _kernel() if xp is np else None
     if kernel is not None and _compiled(x, cos, sin):
         out = np.empty_like(x)  # (B, H, L, D) fresh, in x's axis order as the concatenation's
-        kernel(x, cos, sin, r, layout == "half", out)  # (R3, R4)
+        half, per_b = layout == "half", cos.shape[0] > 1  # (tables per batch row, or one for all)
+
+        def rows(_i: int, b0: int, b1: int) -> None:  # batch rows b0 .. b1 - 1, each alone
+            t = slice(b0, b1) if per_b else slice(None)
+            kernel(x[b0:b1], cos[t], sin[t], r, half, out[b0:b1])  # (R3, R4)
+
+        run_rows(rows, row_spans(x.shape[0], x.size))  # across the cores: the same bits
         return out
     u, w, rest = split_pairs(x, r, layout)
     u2 = u * cos - w * sin  # (R3) (B, H, L, R/2)

@@ -17,27 +17,22 @@ import numpy as np
 
 
 @numba.njit(nogil=True, cache=True)
-def swiglu_product(a, sigma, u):  # pragma: no cover
-    """1-D a, sigma, u of one dtype -> z = a sigma u (LL3), as ``a * sigma * u``."""
-    z = np.empty_like(a)
+def swiglu_product(a, sigma, u, z):  # pragma: no cover
+    """1-D a, sigma, u, z of one dtype: z <- a sigma u (LL3), as ``a * sigma * u``."""
     for i in range(a.size):
         z[i] = (a[i] * sigma[i]) * u[i]  # (LL3)
-    return z
 
 
 @numba.njit(nogil=True, cache=True)
-def swiglu_grad(dz, a, u, sigma, one):  # pragma: no cover
-    """1-D dz, a, u, sigma of one dtype, ``one`` = 1 in it -> (du, da) (LL4), as
+def swiglu_grad(dz, a, u, sigma, one, du, da):  # pragma: no cover
+    """1-D dz, a, u, sigma, du, da of one dtype, ``one`` = 1 in it: (du, da) <- (LL4), as
     ``dz * (a * sigma)`` and ``dz * u * (sigma * (1 + a (1 - sigma)))``."""
-    du = np.empty_like(dz)
-    da = np.empty_like(dz)
     for i in range(dz.size):
         s = sigma[i]
         ai = a[i]
         g = dz[i]
         du[i] = g * (ai * s)  # (LL4) dz silu(a)
         da[i] = (g * u[i]) * (s * (one + ai * (one - s)))  # (LL4) dz u silu'(a)
-    return du, da
 
 
 @numba.njit(nogil=True, cache=True)

@@ -51,3 +51,37 @@ def layernorm_grad_rows(dy, xhat, rstd, g, dx, dg, db, d_row):
         r = rstd[i]
         for j in range(e):
             out[j] = r * (d_row[j] - m1 - hr[j] * m2)  # (N6)
+
+
+@_jit
+def rmsnorm_rows(x, g, eps, y, xhat, rstd):
+    """(QN1), (QN3) row by row: mean(x^2) summed in float64 over the row (:func:`_sum8`),
+    rstd = 1 / sqrt(mean(x^2) + eps) rounded to x's dtype, xhat = x rstd, y = xhat g.
+    x, y, xhat (N, E); g (E,); rstd (N,); all of x's dtype."""
+    n, e = x.shape
+    for i in range(n):
+        row = x[i]
+        r = narrow(row[0], 1.0 / math.sqrt(_sum8(row, 0.0, row, 1) / e + eps))  # (QN1)
+        rstd[i] = r
+        xr, yr = xhat[i], y[i]
+        for j in range(e):
+            h = row[j] * r  # (QN1)
+            xr[j] = h
+            yr[j] = h * g[j]  # (QN3)
+
+
+@_jit
+def rmsnorm_grad_rows(dy, xhat, rstd, g, dx, dg, d_row):
+    """(QN4), (QN5) row by row: dx = rstd (dxhat - xhat mean(dxhat xhat)), dxhat = dy g, the
+    mean summed in float64 (:func:`_sum8`); dg += dy xhat, a float64 (E,) accumulator, rows
+    added in order.  dy, xhat, dx (N, E); g (E,); rstd (N,); ``d_row`` (E,) scratch of dy's dtype."""
+    n, e = dy.shape
+    for i in range(n):
+        dr, hr, out = dy[i], xhat[i], dx[i]
+        for j in range(e):
+            d_row[j] = dr[j] * g[j]  # dxhat, in the row's dtype
+            dg[j] += np.float64(dr[j]) * np.float64(hr[j])  # (QN4)
+        m2 = narrow(dr[0], _sum8(d_row, 0.0, hr, 2) / e)
+        r = rstd[i]
+        for j in range(e):
+            out[j] = r * (d_row[j] - hr[j] * m2)  # (QN5)

@@ -55,8 +55,9 @@ def _kernels():
     return _KERNELS
 
 
-def _compiled(*arrays) -> bool:
-    """The compiled row kernels take these NumPy arrays: one float dtype, fused kernels on."""
+def compiled_rows(*arrays) -> bool:
+    """The compiled row kernels (layer norm and RMSNorm) take these NumPy arrays: one float
+    dtype, not empty, fused kernels on."""
     if not all(type(a) is np.ndarray for a in arrays):
         return False
     dt = arrays[0].dtype
@@ -66,7 +67,7 @@ def _compiled(*arrays) -> bool:
 def layernorm_forward(params, x, *, eps: float = 1e-5):
     """params {"g": (E,), "b": (E,)}, X (..., E) -> (Y (..., E), cache)."""
     g, b = params["g"], params["b"]
-    if not _compiled(x, g, b):
+    if not compiled_rows(x, g, b):
         y, c = norm_forward(x, g, kind="layer", eps=eps, w_name="params['g']", b=b, b_name="params['b']")
         return y, LayerNormCache(c.xhat, c.rstd, c.w)  # (N1)-(N4) as (QN2, QN3) plus b
     e = x.shape[-1]
@@ -84,7 +85,7 @@ def layernorm_backward(dy, cache: LayerNormCache):
     """dY (..., E) -> (dX (..., E), {"g": dg, "b": db}); compiled as the forward (dg, db
     summed in float64)."""
     xhat, rstd = cache.xhat, cache.rstd
-    if not (_compiled(dy, xhat, rstd, cache.g) and dy.shape == xhat.shape):
+    if not (compiled_rows(dy, xhat, rstd, cache.g) and dy.shape == xhat.shape):
         dx, dg = norm_backward(dy, NormCache("layer", xhat, rstd, cache.g, dy.dtype))  # (N6), (N5)
         lead = tuple(range(len(dy.shape) - 1))
         db = namespace(dy).sum(dy, axis=lead) if lead else dy  # (N5) (E,)

@@ -18,6 +18,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..runtime import fused
+from ..runtime.parallel import row_spans, run_rows
 from .linear import LinearCache, linear_backward, linear_forward
 
 SWIGLU_PARAMS = ("W_gate", "W_up", "W_down")
@@ -44,12 +45,13 @@ def init_swiglu(dim: int, hidden: int, rng: np.random.Generator, dtype="float64"
     return p
 
 
-def sigmoid(a):
+def sigmoid(a, out=None):
     """1 / (1 + exp(-a)), finite for every finite a (tanh form: no overflow).  The steps of
-    ``0.5 * (1.0 + np.tanh(0.5 * a))`` in one buffer (the same bits, no temporaries)."""
+    ``0.5 * (1.0 + np.tanh(0.5 * a))`` in one buffer (the same bits, no temporaries):
+    ``out``, a float NumPy array of a's shape and dtype, where given."""
     if type(a) is not np.ndarray or a.dtype.kind != "f":
         return 0.5 * (1.0 + np.tanh(0.5 * a))
-    s = np.multiply(a, 0.5)  # 0.5 a, in a's dtype
+    s = np.multiply(a, 0.5, out=out)  # 0.5 a, in a's dtype
     np.tanh(s, out=s)
     np.add(s, 1.0, out=s)  # 1 + tanh
     return np.multiply(s, 0.5, out=s)
@@ -90,11 +92,18 @@ def swiglu_forward(params, h):
         raise ValueError(f"params is missing SwiGLU weights {missing}; expected {list(SWIGLU_PARAMS)}")
     a, gate = linear_forward({"W": params["W_gate"]}, h)  # (LL3) (..., F)
     u, up = linear_forward({"W": params["W_up"]}, h)  # (LL3) (..., F)
-    sigma = sigmoid(a)  # (LL3) (..., F)
     k = _kernels()
-    if k is not None and _compiled(a, sigma, u):
-        z = k[0](a.reshape(-1), sigma.reshape(-1), u.reshape(-1)).reshape(a.shape)  # (LL3) one pass
+    if k is not None and _compiled(a, u):  # rows split across the cores (each row alone: the same bits)
+        sigma, z = np.empty_like(a), np.empty_like(a)
+        a2, u2, s2, z2 = (t.reshape(-1, t.shape[-1]) for t in (a, u, sigma, z))  # (N, F) views
+
+        def rows(_i: int, r0: int, r1: int) -> None:
+            sigmoid(a2[r0:r1], out=s2[r0:r1])  # (LL3)
+            k[0](a2[r0:r1].reshape(-1), s2[r0:r1].reshape(-1), u2[r0:r1].reshape(-1), z2[r0:r1].reshape(-1))  # (LL3)
+
+        run_rows(rows, row_spans(len(a2), a.size))
     else:
+        sigma = sigmoid(a)  # (LL3) (..., F)
         z = a * sigma * u  # (LL3) silu(a) * u  (..., F)
     f, down = linear_forward({"W": params["W_down"]}, z)  # (LL3) (..., E)
     return f, SwiGLUCache(gate, up, down, a, u, sigma)
@@ -106,9 +115,12 @@ def swiglu_backward(df, cache: SwiGLUCache):
     dz, g_down = linear_backward(df, cache.down)  # (LL4) dW_down = z^T df, dz = df W_down^T
     k = _kernels()
     if k is not None and _compiled(dz, a, u, sigma):
-        du, da = k[1](dz.reshape(-1), a.reshape(-1), u.reshape(-1), sigma.reshape(-1),
-                      dz.dtype.type(1.0))  # (LL4) one pass, the same bits as the lines below
-        du, da = du.reshape(dz.shape), da.reshape(dz.shape)
+        du, da = np.empty_like(dz), np.empty_like(dz)
+        d2, a2, u2, s2, du2, da2 = (t.reshape(-1, t.shape[-1]) for t in (dz, a, u, sigma, du, da))  # (N, F)
+        one = dz.dtype.type(1.0)
+        run_rows(lambda _i, r0, r1: k[1](*(t[r0:r1].reshape(-1) for t in (d2, a2, u2, s2)), one,
+                                         du2[r0:r1].reshape(-1), da2[r0:r1].reshape(-1)),
+                 row_spans(len(d2), dz.size))  # (LL4) one pass, rows split: the same bits as the lines below
     else:
         du = dz * (a * sigma)  # (LL4) (..., F)
         da = dz * u * (sigma * (1.0 + a * (1.0 - sigma)))  # (LL4) silu'(a)  (..., F)
