@@ -122,7 +122,7 @@ def test_swiglu_layer_bitwise_the_numpy_lines_on_any_number_of_cores(monkeypatch
          (("W_gate", (e, f)), ("W_up", (e, f)), ("W_down", (f, e)))}
     df = rng.standard_normal(h.shape).astype(np.float32)
     monkeypatch.setattr(parallel, "available_cores", lambda: cores)
-    out, c = S.swiglu_forward(p, h)
+    _, c = S.swiglu_forward(p, h)
     dh, g = S.swiglu_backward(df, c)
     a, u = c.a, c.u
     sig = 0.5 * (1.0 + np.tanh(0.5 * a))

@@ -24,7 +24,6 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..runtime import fused
-from ..runtime.parallel import row_spans, run_rows
 from ..runtime._xp import (
     Array,
     check_array,
@@ -34,6 +33,7 @@ from ..runtime._xp import (
     dtype_name,
     namespace,
 )
+from ..runtime.parallel import row_spans, run_rows
 
 LAYOUTS = ("half", "interleaved")
 

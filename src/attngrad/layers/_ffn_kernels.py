@@ -13,7 +13,6 @@ stays NumPy's tanh.
 from __future__ import annotations
 
 import numba
-import numpy as np
 
 
 @numba.njit(nogil=True, cache=True)
