@@ -286,10 +286,11 @@ def exp_inplace(a):
 
 
 # Elements below which one thread runs all rows: a hand-out costs tens of microseconds, and
-# more where NumPy's threaded BLAS has left a thread spinning on the other cores (at the
-# default language model's (4096, 64) rows, splitting them made the two-thread step ~7 %
-# slower; docs/benchmarks.md).
-ROWS_MIN_SIZE = 1 << 20
+# more where NumPy's threaded BLAS has left a thread spinning on the other cores.  Measured
+# on the language-model step at two threads (docs/benchmarks.md): the default size's layer
+# norms, (4096, 64) = 2^18 values, split made the step ~7 % slower; the char size's,
+# (4096, 128) = 2^19, split made it ~4 % faster.
+ROWS_MIN_SIZE = 1 << 19
 
 
 def row_spans(rows: int, size: int) -> list:
