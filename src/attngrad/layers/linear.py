@@ -15,7 +15,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..runtime import products
-from ..runtime.ops import bias_grad, matmul, project, weight_grad
+from ..runtime.ops import bias_grad, matmuls, project, weight_grad_product
 
 
 class LinearCache(NamedTuple):
@@ -38,22 +38,24 @@ def init_linear(n_in: int, n_out: int, rng: np.random.Generator, *, bias=True, d
 def linear_forward(params, x):
     """params {"W": (in, out), "b": (out,) optional}, X (..., in) -> (Y (..., out), cache)."""
     w = params["W"]
-    y = project(np, x, w, params.get("b"), pool=_pooled(x, w))  # (F1) (..., out)
+    y = project(np, x, w, params.get("b"), pool=on_workers(x, w))  # (F1) (..., out)
     return y, LinearCache(x, w, "b" in params)
 
 
 def linear_backward(dy, cache: LinearCache):
     """dY (..., out) -> (dX (..., in), {"W": dW, "b": db})."""
-    pool = _pooled(cache.x, cache.w)
-    grads = {"W": weight_grad(np, cache.x, dy, pool=pool)}  # (F2) (in, out)
     dy2 = dy.reshape(-1, dy.shape[-1])  # (N, out)
+    dw, dx = matmuls(np, [weight_grad_product(np, cache.x, dy),  # (F2) dW = X^T dY (in, out)
+                          (dy2, cache.w, False, True)],  # (F3) dX = dY W^T (N, in)
+                     pool=on_workers(cache.x, cache.w))  # (one hand-out to the workers for both)
+    grads = {"W": dw}
     if cache.has_bias:
         grads["b"] = bias_grad(np, dy2)  # (F2) (out,)
-    dx = matmul(np, dy2, cache.w, trans_b=True, pool=pool).reshape(cache.x.shape)  # (F3) (..., in)
-    return dx, grads
+    return dx.reshape(cache.x.shape), grads
 
 
-def _pooled(x, w) -> bool:
-    """The layer's three products on the tiled path's workers (their sizes: ``products.alone``)."""
+def on_workers(x, w) -> bool:
+    """Whether the products of an affine layer with input ``x`` (..., in) and weight ``w``
+    (in, out) run on the tiled path's workers (their sizes: ``products.alone``)."""
     n_in, n_out = w.shape
     return products.alone(x.size // max(n_in, 1), n_in, n_out)

@@ -17,9 +17,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..runtime import fused
+from ..runtime import fused, products
+from ..runtime.ops import matmuls
 from ..runtime.parallel import row_spans, run_rows
-from .linear import LinearCache, linear_backward, linear_forward
+from .linear import LinearCache, linear_backward, linear_forward, on_workers
 
 SWIGLU_PARAMS = ("W_gate", "W_up", "W_down")
 
@@ -90,8 +91,16 @@ def swiglu_forward(params, h):
     missing = [k for k in SWIGLU_PARAMS if k not in params]
     if missing:
         raise ValueError(f"params is missing SwiGLU weights {missing}; expected {list(SWIGLU_PARAMS)}")
-    a, gate = linear_forward({"W": params["W_gate"]}, h)  # (LL3) (..., F)
-    u, up = linear_forward({"W": params["W_up"]}, h)  # (LL3) (..., F)
+    w_gate, w_up = params["W_gate"], params["W_up"]
+    if type(h) is np.ndarray and on_workers(h, w_gate) and w_up.shape == w_gate.shape:
+        # (LL3) both products of h in one hand-out to the workers (as linear_forward forms each)
+        h2 = h.reshape(-1, h.shape[-1])  # (N, E)
+        a, u = (t.reshape(*h.shape[:-1], -1) for t in matmuls(np, [(h2, w_gate, False, False),
+                                                                   (h2, w_up, False, False)], pool=True))
+        gate, up = LinearCache(h, w_gate, False), LinearCache(h, w_up, False)
+    else:
+        a, gate = linear_forward({"W": w_gate}, h)  # (LL3) (..., F)
+        u, up = linear_forward({"W": w_up}, h)  # (LL3) (..., F)
     k = _kernels()
     if k is not None and _compiled(a, u):  # rows split across the cores (each row alone: the same bits)
         sigma, z = np.empty_like(a), np.empty_like(a)
@@ -124,6 +133,16 @@ def swiglu_backward(df, cache: SwiGLUCache):
     else:
         du = dz * (a * sigma)  # (LL4) (..., F)
         da = dz * u * (sigma * (1.0 + a * (1.0 - sigma)))  # (LL4) silu'(a)  (..., F)
+    h, w_gate, w_up = cache.gate.x, cache.gate.w, cache.up.w
+    if type(h) is np.ndarray and on_workers(h, w_gate) and cache.up.x is h:
+        # (LL4) one hand-out to the workers: dW_gate = h^T da, dW_up = h^T du, and
+        # dh = da W_gate^T + du W_up^T, the second product added on each block of rows
+        h2, da2, du2 = (t.reshape(-1, t.shape[-1]) for t in (h, da, du))  # (N, E), (N, F), (N, F)
+        dh = np.empty(h2.shape, dtype=da.dtype)  # (N, E)
+        dw_gate, dw_up, *_ = matmuls(np, [(h2, da2, True, False), (h2, du2, True, False),
+                                          products.Product(da2, w_gate, trans_b=True, out=dh),
+                                          products.Product(du2, w_up, trans_b=True, out=dh, add=True)], pool=True)
+        return dh.reshape(h.shape), {"W_gate": dw_gate, "W_up": dw_up, "W_down": g_down["W"]}
     dh_gate, g_gate = linear_backward(da, cache.gate)  # (LL4) (..., E)
     dh_up, g_up = linear_backward(du, cache.up)  # (LL4) (..., E)
     dh = dh_gate + dh_up  # (LL4) (..., E)

@@ -123,10 +123,14 @@ def _spans(m: int, n: int) -> tuple:
     """The blocks of an (m, n) C: its rows in CHUNK_ROWS spans, and its columns whole, or
     in CHUNK_COLS spans where the rows make one span.  Shapes alone decide, never a thread
     count."""
-    rows = [(r0, min(m, r0 + CHUNK_ROWS)) for r0 in range(0, m, CHUNK_ROWS)]
+    rows = [(r0, r0 + CHUNK_ROWS) for r0 in range(0, m - CHUNK_ROWS, CHUNK_ROWS)]
+    if m:
+        rows.append((len(rows) * CHUNK_ROWS, m))
     if len(rows) > 1 or n < 2 * CHUNK_COLS:
         return rows, [(0, n)]
-    return rows, [(c0, min(n, c0 + CHUNK_COLS)) for c0 in range(0, n, CHUNK_COLS)]
+    cols = [(c0, c0 + CHUNK_COLS) for c0 in range(0, n - CHUNK_COLS, CHUNK_COLS)]
+    cols.append((len(cols) * CHUNK_COLS, n))
+    return rows, cols
 
 
 def matmuls(jobs) -> list:
@@ -146,12 +150,13 @@ def matmuls(jobs) -> list:
         return [matmuls([j])[0] if t else _numpy(j) for j, t in zip(jobs, takes, strict=True)]
     gemm, blas = fused.products()
     cs = [np.empty(mn, dtype=j.a.dtype) if j.out is None else j.out for j, mn in zip(jobs, shapes, strict=True)]
-    blocks = [(g, *rows, *cols) for g in groups for rows in _spans(*shapes[g[0]])[0]
-              for cols in _spans(*shapes[g[0]])[1]]  # (products, rows [r0, r1), columns [c0, c1))
+    blocks = [(g, *rows, *cols) for g in groups for row_spans, col_spans in [_spans(*shapes[g[0]])]
+              for rows in row_spans for cols in col_spans]  # (products, rows [r0, r1), columns [c0, c1))
     # the costliest blocks first (a weight gradient's block sums over every row of X: many
     # times a row block's work), so that the workers end together on small ones; each block
     # is formed alone, so the order changes no bit
-    blocks.sort(key=lambda blk: -(blk[2] - blk[1]) * (blk[4] - blk[3]) * sum(_inner(jobs[i]) for i in blk[0]))
+    inner = {id(g): sum(_inner(jobs[i]) for i in g) for g in groups}  # K summed over a group's products
+    blocks.sort(key=lambda blk: -(blk[2] - blk[1]) * (blk[4] - blk[3]) * inner[id(blk[0])])
 
     def block(unit: int, worker: int) -> None:
         group, r0, r1, c0, c1 = blocks[unit]
