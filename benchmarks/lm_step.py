@@ -18,6 +18,10 @@ the child pinned to that many CPUs: attngrad's attention workers count the CPUs 
 run on, so without the pin "1 thread" would give its tiled attention every core);
 reported per round: the ratio attngrad / PyTorch (median, min, max over rounds), and
 tokens/s (B x T / median step time) of each, with the load average before and after.
+Each timed step follows ``--settle`` untimed steps (default 1) of the same contender, as in
+its own training loop: threads a contender leaves running after its step (NumPy's
+OpenBLAS spins ~0.1 s after a threaded product; PyTorch's OpenMP threads spin between
+operations) would otherwise slow the other's timed step.
 
     python benchmarks/lm_step.py                        # default and char sizes, 1 and 2 threads
     python benchmarks/lm_step.py --sizes tiny --threads 1 --repeats 3 --warmup 1   # a smoke run
