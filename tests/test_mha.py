@@ -352,6 +352,8 @@ def test_the_layer_and_the_linear_layer_share_one_weight_gradient(monkeypatch):
 
     monkeypatch.setattr(mha_mod, "weight_grad_product", spy)
     monkeypatch.setattr(ops_mod, "weight_grad_product", spy)
+    assert linear_mod.weight_grad_product is real  # the very function, imported from ops
+    monkeypatch.setattr(linear_mod, "weight_grad_product", spy)
     params, inputs, kwargs, upstream, _ = build("self", "all", 2, 2, 4, 4, E, E, "none")
     _, cache = mha_forward(params, inputs["X"], **kwargs)
     mha_backward(upstream, cache)
