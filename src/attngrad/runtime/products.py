@@ -173,10 +173,11 @@ def matmuls(jobs) -> list:
     return cs
 
 
-ALONE_MIN_FLOPS = 1 << 28  # 2 M K N from which a layer's own products (not beside the
-# attention core) run on the workers: at a char-sized language model's feed-forward and
-# output layers (2^29 flops a product) NumPy's threaded BLAS leaves a thread spinning that
-# slows the next hand-out of the workers; at the default size's (2^26) it is the faster
+# 2 M K N from which a layer's own products (not beside the attention core) run on the
+# workers: at a char-sized language model's feed-forward and output layers (2^29 flops a
+# product) NumPy's threaded BLAS leaves a thread spinning that slows the workers' next
+# hand-out; at the default size's (2^26) NumPy's threaded BLAS is the faster.
+ALONE_MIN_FLOPS = 1 << 28
 
 
 def alone(m: int, k: int, n: int) -> bool:
