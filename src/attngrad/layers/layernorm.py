@@ -70,15 +70,8 @@ def layernorm_forward(params, x, *, eps: float = 1e-5):
     if not compiled_rows(x, g, b):
         y, c = norm_forward(x, g, kind="layer", eps=eps, w_name="params['g']", b=b, b_name="params['b']")
         return y, LayerNormCache(c.xhat, c.rstd, c.w)  # (N1)-(N4) as (QN2, QN3) plus b
-    e = x.shape[-1]
-    x2 = np.ascontiguousarray(x).reshape(-1, e)  # (N, E)
-    y, xhat = np.empty(x2.shape, x.dtype), np.empty(x2.shape, x.dtype)
-    rstd = np.empty(x2.shape[0], x.dtype)
-    rows, eps = _kernels()[0], float(eps)
-    run_rows(lambda _i, r0, r1: rows(x2[r0:r1], g, b, eps, y[r0:r1], xhat[r0:r1], rstd[r0:r1]),
-             row_spans(len(x2), x2.size))  # (N1)-(N4) each row alone
-    lead = x.shape[:-1]
-    return y.reshape(x.shape), LayerNormCache(xhat.reshape(x.shape), rstd.reshape(*lead, 1), g)
+    y, xhat, rstd = rows_forward(_kernels()[0], x, g, b, float(eps))  # (N1)-(N4) each row alone
+    return y, LayerNormCache(xhat, rstd, g)
 
 
 def layernorm_backward(dy, cache: LayerNormCache):
@@ -90,18 +83,37 @@ def layernorm_backward(dy, cache: LayerNormCache):
         lead = tuple(range(len(dy.shape) - 1))
         db = namespace(dy).sum(dy, axis=lead) if lead else dy  # (N5) (E,)
         return dx, {"g": dg, "b": db}
+    dx, (dg, db) = rows_backward(_kernels()[1], dy, xhat, rstd, cache.g, 2)  # (N5), (N6)
+    return dx, {"g": dg.astype(dy.dtype), "b": db.astype(dy.dtype)}
+
+
+def rows_forward(kernel, x, *args):
+    """A compiled row normalisation over X (..., E): ``kernel(x_rows, *args, y_rows,
+    xhat_rows, rstd_rows)`` on spans of rows split across the cores (each row alone, so the
+    split changes no bit).  Returns Y, xhat (..., E) and rstd (..., 1) in x's dtype."""
+    e = x.shape[-1]
+    x2 = np.ascontiguousarray(x).reshape(-1, e)  # (N, E)
+    y, xhat = np.empty(x2.shape, x.dtype), np.empty(x2.shape, x.dtype)
+    rstd = np.empty(x2.shape[0], x.dtype)
+    run_rows(lambda _i, r0, r1: kernel(x2[r0:r1], *args, y[r0:r1], xhat[r0:r1], rstd[r0:r1]),
+             row_spans(len(x2), x2.size))
+    return y.reshape(x.shape), xhat.reshape(x.shape), rstd.reshape(*x.shape[:-1], 1)
+
+
+def rows_backward(kernel, dy, xhat, rstd, g, sums: int):
+    """The backward of :func:`rows_forward`: ``kernel(dy_rows, xhat_rows, rstd_rows, g,
+    dx_rows, *accumulators, scratch)`` over fixed spans of GRAD_SPAN_ROWS rows, each span
+    with ``sums`` float64 (E,) accumulators of its own, then added in span order (the same
+    bits at any number of cores).  Returns dX (..., E) and the (sums, E) float64 totals."""
     e = dy.shape[-1]
     dy2 = np.ascontiguousarray(dy).reshape(-1, e)  # (N, E)
     dx = np.empty(dy2.shape, dy.dtype)
     xh2, rs = np.ascontiguousarray(xhat).reshape(-1, e), np.ascontiguousarray(rstd).reshape(-1)
     spans = fixed_spans(len(dy2), GRAD_SPAN_ROWS)
-    parts = np.zeros((len(spans), 2, e))  # (N5) float64 accumulators of dg, db per span of rows
-    grad_rows = _kernels()[1]
+    parts = np.zeros((len(spans), sums, e))  # float64 accumulators per span of rows
 
     def span(i: int, r0: int, r1: int) -> None:
-        grad_rows(dy2[r0:r1], xh2[r0:r1], rs[r0:r1], cache.g, dx[r0:r1], parts[i, 0], parts[i, 1],
-                  np.empty(e, dy.dtype))  # (N5), (N6)
+        kernel(dy2[r0:r1], xh2[r0:r1], rs[r0:r1], g, dx[r0:r1], *parts[i], np.empty(e, dy.dtype))
 
     run_rows(span, spans, dy2.size)
-    dg, db = parts[0] if len(spans) == 1 else parts.sum(axis=0)  # (N5) spans added in order
-    return dx.reshape(dy.shape), {"g": dg.astype(dy.dtype), "b": db.astype(dy.dtype)}
+    return dx.reshape(dy.shape), (parts[0] if len(spans) == 1 else parts.sum(axis=0))  # spans in order
