@@ -18,6 +18,7 @@ from ..runtime import fused
 from ..runtime._xp import Array
 from ..runtime.parallel import exp_inplace
 from ..runtime.workspace import SEQUENTIAL, scratch
+from . import dense_rows
 from .dropout import keep_heads
 from .logits import alibi_grad_distance, form_logits, softcap_backward
 from .lse_grad import alibi_lse_term
@@ -42,6 +43,8 @@ class SDPACache(NamedTuple):
     psink: Array | None  # (B, Hkv, G*Lq, 1) the sink's probability, else None         (V2)
     flat: Array | None  # (b, Hkv|1, G|1, Lq, 1) bool: rows with a constant softmax (< 2 keys, no sink)
     problem: Problem
+    rows: tuple | None = None  # (lo, hi) key intervals where the compiled loops ran (.dense_rows); then
+    # q, k, v are C-contiguous and unzeroed (those loops read no masked-out key)
 
 
 def grouped5(xp, a, sh: SDPAShape):
@@ -62,6 +65,12 @@ def dense_forward(xp, q, k, v, prob: Problem):
     sh = prob.shape
     B, H, Hkv, Lq, Lk, D, Dv = sh
     G = sh.group
+    lohi = dense_rows.plan(xp, q, prob)
+    if lohi is not None:  # short heads: the compiled row loops (A1-A3)
+        qg, k, v = (np.ascontiguousarray(np.reshape(t, (B, Hkv, -1, t.shape[3]))) for t in (q, k, v))
+        p, out = dense_rows.forward(qg, k, v, prob, lohi)
+        cache = SDPACache(qg, k, v, p, None, None, dense_rows.flat_rows(lohi, prob), prob, lohi)
+        return np.reshape(out, (B, H, Lq, Dv)).astype(prob.dtype, copy=False), cache
     allowed = prob.spec.block(xp)  # (b, h, Lq, Lk) bool or None
     allowed5 = None if allowed is None else grouped5(xp, allowed, sh)  # (b, Hkv|1, G|1, Lq, Lk)
     qg = xp.reshape(q, (B, Hkv, G * Lq, D))  # (B, Hkv, G*Lq, D)
@@ -193,6 +202,11 @@ def dense_backward(xp, do, cache: SDPACache, out: dict | None = None, dlse=None)
     B, H, Hkv, Lq, Lk, D, Dv = sh
     G = sh.group
     p, qg, k, v = cache.p, cache.q, cache.k, cache.v
+    if cache.rows is not None:  # the compiled row loops (A4-A9, LS3)
+        do = np.ascontiguousarray(np.reshape(do, (B, Hkv, G * Lq, Dv)))
+        dl = None if dlse is None else np.reshape(dlse, (B, Hkv, G * Lq))
+        dq, dk, dv = dense_rows.backward(qg, k, v, p, do, prob, cache.rows, dl)
+        return {"q": np.reshape(dq, (B, H, Lq, D)), "k": dk, "v": dv}
     out = out or {}
     do = xp.reshape(do, (B, Hkv, G * Lq, Dv))  # (B, Hkv, G*Lq, Dv)
     z = _keep(xp, prob, p) if prob.dropout else None  # (V3) regenerated once, never stored

@@ -17,6 +17,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..runtime import fused
+
 
 class CrossEntropyCache(NamedTuple):
     """What :func:`cross_entropy_backward` needs.  Memory: softmax probabilities (N, V)."""
@@ -51,23 +53,35 @@ def cross_entropy_forward(logits, targets, *, ignore_index: int = 0, label_smoot
     if tv.size and (tv.min() < 0 or tv.max() >= v):
         raise ValueError(f"targets must be in [0, {v}) or equal ignore_index={ignore_index}")
     n_valid = int(valid.sum())
-    m = z.max(axis=-1, keepdims=True)  # (X1) (N, 1)
-    e = np.subtract(z, m)  # (N, V) z - max(z), then exp in place: one (N, V) buffer
-    np.exp(e, out=e)
-    s = e.sum(axis=-1, keepdims=True)  # (N, 1)
-    log_s = np.log(s)  # (N, 1)
+    k = _kernel()
+    if k is not None and z.dtype in _FLOATS and z.shape[1]:  # one compiled pass per row
+        z = np.ascontiguousarray(z)
+        probs = np.empty_like(z)
+        lse = np.empty(z.shape[0], dtype=np.float64)  # (N,) log sum exp(z), in float64
+        k(z, probs, lse)  # (X1, X4)
+    else:
+        m = z.max(axis=-1, keepdims=True)  # (X1) (N, 1)
+        e = np.subtract(z, m)  # (N, V) z - max(z), then exp in place: one (N, V) buffer
+        np.exp(e, out=e)
+        s = e.sum(axis=-1, keepdims=True)  # (N, 1)
+        lse = m[:, 0] + np.log(s)[:, 0]  # (X1) (N,)
+        probs = np.divide(e, s, out=e)  # (X4) (N, V) softmax(z), in place
     rows = np.arange(z.shape[0])
-    nll = -(z[rows, tv] - m[:, 0] - log_s[:, 0])  # (X1, X3) (N,) -logp at the targets only
-    if eps:  # the smoothing term needs every logp: -(1/V) sum_v logp
-        smooth = -(z - m - log_s).mean(axis=-1)  # (X1, X3) (N,)
+    nll = lse - z[rows, tv]  # (X1, X3) (N,) -logp at the targets only
+    if eps:  # the smoothing term needs every logp: -(1/V) sum_v logp = lse - mean(z)
+        smooth = lse - z.mean(axis=-1, dtype=np.float64)  # (X1, X3) (N,)
         per = (1.0 - eps) * nll + eps * smooth  # (X2, X3) (N,)
     else:  # eps = 0: (X3) is the target's term alone (and a -inf logit gives no 0 * inf NaN)
         per = nll + nll.dtype.type(0)  # (X3) (N,) (+ 0: a -0 loss reads 0, as 1 * nll + 0 * smooth)
     loss = float(np.sum(np.where(valid, per, 0))) / n_valid if n_valid else 0.0  # (X3)
-    probs = np.divide(e, s, out=e)  # (N, V) softmax(z), in place
     if n_valid < valid.size:
         probs[~valid] = 0  # ignored rows
     return loss, CrossEntropyCache(probs, tv, valid, n_valid, eps, tuple(logits.shape))
+
+
+_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+# the compiled row softmax (layers/_loss_kernels.py) while the fused kernels are on, else None
+_kernel = fused.kernel_loader("attngrad.layers._loss_kernels", "softmax_lse_rows")
 
 
 def cross_entropy_backward(dloss, cache: CrossEntropyCache):

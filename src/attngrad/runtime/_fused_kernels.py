@@ -28,12 +28,18 @@ from ._vec16 import (
     EXP_LOG2E,
     EXP_POLY,
     EXP_ROUNDER,
+    dot8d,
     dsoftmax16,
     exp_minus16,
     exp_shift16,
     lane,
+    lane8d,
     max16,
+    rows8,
     splat16,
+    sq8d,
+    sum8d,
+    zeros8d,
 )
 
 _FM = {"contract", "nsz", "arcp"}
@@ -300,10 +306,46 @@ def column_sums(a, out):
             out[j] += np.float64(row[j])
 
 
-@_jit
 def _sum8(a, c, b, mode):
     """A float64 sum over one row in 8 partials (j mod 8, in order; then added in a fixed
-    tree): mode 0: sum a_j; 1: sum (a_j - c)^2; 2: sum a_j b_j (values widened to float64)."""
+    tree): mode 0: sum a_j; 1: sum (a_j - c)^2; 2: sum a_j b_j (values widened to float64).
+    Contiguous float32/float64 rows run the 8 partials as one vector (:mod:`._vec16`),
+    other rows :func:`_sum8_scalar`; the same partials either way."""
+
+
+@overload(_sum8, fastmath=_FM)
+def _sum8_impl(a, c, b, mode):
+    return _sum8_lanes if rows8(a, b) else _sum8_scalar
+
+
+def _sum8_lanes(a, c, b, mode):
+    n = a.shape[0]
+    n8 = n - n % 8
+    acc = zeros8d()
+    if mode == 0:
+        for j in range(0, n8, 8):
+            acc = sum8d(acc, a, j)
+    elif mode == 1:
+        for j in range(0, n8, 8):
+            acc = sq8d(acc, a, j, c)
+    else:
+        for j in range(0, n8, 8):
+            acc = dot8d(acc, a, b, j)
+    tail = 0.0  # the last n mod 8 values, in order
+    for j in range(n8, n):
+        x = np.float64(a[j])
+        if mode == 1:
+            x = (x - c) * (x - c)
+        elif mode == 2:
+            x = x * np.float64(b[j])
+        tail += x
+    p0, p1, p2, p3 = lane8d(acc, 0), lane8d(acc, 1), lane8d(acc, 2), lane8d(acc, 3)
+    p4, p5, p6, p7 = lane8d(acc, 4), lane8d(acc, 5), lane8d(acc, 6), lane8d(acc, 7)
+    return (((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))) + tail
+
+
+def _sum8_scalar(a, c, b, mode):
+    """:func:`_sum8` on any row, scalar code."""
     n = a.shape[0]
     n8 = n - n % 8
     p0 = p1 = p2 = p3 = p4 = p5 = p6 = p7 = 0.0

@@ -204,3 +204,165 @@ def dsoftmax16(typingctx, row, prow, j, c):
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+@intrinsic
+def fma16(typingctx, acc, w, src, k):
+    """acc + w src[k:k+16], lane by lane, each rounded once (an FMA): the register
+    accumulator of a row-times-matrix product.  src 1-D float32; w float32; acc :data:`LANES`."""
+    if not (_check(src) and isinstance(k, types.Integer) and w == types.float32 and acc == LANES):
+        return None
+    sig = LANES(acc, w, src, k)
+
+    def codegen(context, builder, signature, args):
+        a, ww, s, kk = args
+        kk = context.cast(builder, kk, signature.args[3], types.intp)
+        v = builder.load(_block(context, builder, signature.args[2], s, kk), align=4)
+        return _fma(builder, _splat(builder, ww), v, a)
+
+    return sig, codegen
+
+
+@intrinsic
+def add16(typingctx, a, b):
+    """a + b, lane by lane (two :data:`LANES` values)."""
+    if not (a == LANES and b == LANES):
+        return None
+    sig = LANES(a, b)
+
+    def codegen(context, builder, signature, args):
+        return builder.fadd(args[0], args[1])
+
+    return sig, codegen
+
+
+@intrinsic
+def store16(typingctx, dst, j, acc, w):
+    """dst[j:j+16] <- acc w, lane by lane (w float32: 1 stores acc as it is).  dst 1-D float32."""
+    if not (_check(dst) and isinstance(j, types.Integer) and acc == LANES and w == types.float32):
+        return None
+    sig = types.void(dst, j, acc, w)
+
+    def codegen(context, builder, signature, args):
+        d, jj, a, ww = args
+        jj = context.cast(builder, jj, signature.args[1], types.intp)
+        builder.store(builder.fmul(a, _splat(builder, ww)), _block(context, builder, signature.args[0], d, jj), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+
+# ---- eight float64 lanes: the norms' float64 row sums (runtime/_fused_kernels.py, _sum8)
+
+_VD8 = ir.VectorType(_F64, 8)
+_I32x8 = ir.VectorType(_I32, 8)
+
+
+class Lanes8d(types.Type):
+    """Eight float64 lanes held as one LLVM ``<8 x double>`` value (in registers)."""
+
+    def __init__(self):
+        super().__init__(name="Lanes8d")
+
+
+LANES8D = Lanes8d()
+
+
+@register_model(Lanes8d)
+class _Lanes8dModel(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, _VD8)
+
+
+def rows8(*tys):
+    """Every type a 1-D contiguous float32 or float64 array (a row the float64 lanes take)."""
+    return all(isinstance(t, types.Array) and t.dtype in (types.float32, types.float64) and t.ndim == 1
+               and t.layout == "C" for t in tys)
+
+
+def _load8d(context, builder, aty, arr, j):
+    """``arr[j:j + 8]`` widened to ``<8 x double>`` (exact for float32 values)."""
+    data = context.make_array(aty)(context, builder, arr).data
+    f32 = aty.dtype == types.float32
+    vty = ir.VectorType(_F32 if f32 else _F64, 8)
+    v = builder.load(builder.bitcast(builder.gep(data, [j]), vty.as_pointer()), align=4 if f32 else 8)
+    return builder.fpext(v, _VD8) if f32 else v
+
+
+def _fma8d(builder, a, b, c):
+    fn = builder.module.globals.get("llvm.fma.v8f64")
+    if fn is None:
+        fn = ir.Function(builder.module, ir.FunctionType(_VD8, [_VD8, _VD8, _VD8]), "llvm.fma.v8f64")
+    return builder.call(fn, [a, b, c])
+
+
+@intrinsic
+def zeros8d(typingctx):
+    """Eight float64 zeros (a :data:`LANES8D` accumulator)."""
+    sig = LANES8D()
+
+    def codegen(context, builder, signature, args):
+        return ir.Constant(_VD8, [0.0] * 8)
+
+    return sig, codegen
+
+
+@intrinsic
+def lane8d(typingctx, acc, i):
+    """Lane ``i`` (a literal int) of a :data:`LANES8D` value."""
+    if acc != LANES8D or not isinstance(i, types.IntegerLiteral):
+        return None
+    sig = types.float64(acc, i)
+
+    def codegen(context, builder, signature, args):
+        return builder.extract_element(args[0], ir.Constant(_I32, signature.args[1].literal_value))
+
+    return sig, codegen
+
+
+@intrinsic
+def sum8d(typingctx, acc, a, j):
+    """acc + float64(a[j:j+8]), lane by lane."""
+    if not (acc == LANES8D and rows8(a) and isinstance(j, types.Integer)):
+        return None
+    sig = LANES8D(acc, a, j)
+
+    def codegen(context, builder, signature, args):
+        jj = context.cast(builder, args[2], signature.args[2], types.intp)
+        return builder.fadd(args[0], _load8d(context, builder, signature.args[1], args[1], jj))
+
+    return sig, codegen
+
+
+@intrinsic
+def sq8d(typingctx, acc, a, j, c):
+    """acc + x x, x = float64(a[j:j+8]) - c, lane by lane (an FMA: x x + acc rounded once)."""
+    if not (acc == LANES8D and rows8(a) and isinstance(j, types.Integer) and c == types.float64):
+        return None
+    sig = LANES8D(acc, a, j, c)
+
+    def codegen(context, builder, signature, args):
+        jj = context.cast(builder, args[2], signature.args[2], types.intp)
+        cc = builder.insert_element(ir.Constant(_VD8, ir.Undefined), args[3], ir.Constant(_I32, 0))
+        cc = builder.shuffle_vector(cc, ir.Constant(_VD8, ir.Undefined), ir.Constant(_I32x8, [0] * 8))
+        x = builder.fsub(_load8d(context, builder, signature.args[1], args[1], jj), cc)
+        return _fma8d(builder, x, x, args[0])
+
+    return sig, codegen
+
+
+@intrinsic
+def dot8d(typingctx, acc, a, b, j):
+    """acc + float64(a[j:j+8]) float64(b[j:j+8]), lane by lane (an FMA)."""
+    if not (acc == LANES8D and rows8(a, b) and isinstance(j, types.Integer)):
+        return None
+    sig = LANES8D(acc, a, b, j)
+
+    def codegen(context, builder, signature, args):
+        jj = context.cast(builder, args[3], signature.args[3], types.intp)
+        x = _load8d(context, builder, signature.args[1], args[1], jj)
+        y = _load8d(context, builder, signature.args[2], args[2], jj)
+        return _fma8d(builder, x, y, args[0])
+
+    return sig, codegen

@@ -286,11 +286,12 @@ def exp_inplace(a):
 
 
 # Elements below which one thread runs all rows: a hand-out costs tens of microseconds, and
-# more where NumPy's threaded BLAS has left a thread spinning on the other cores.  Measured
-# on the language-model step at two threads (docs/benchmarks.md): the default size's layer
-# norms, (4096, 64) = 2^18 values, split made the step ~7 % slower; the char size's,
-# (4096, 128) = 2^19, split made it ~4 % faster.
-ROWS_MIN_SIZE = 1 << 19
+# far more where NumPy's threaded BLAS has left a thread spinning on the other cores (its
+# products run there below the sizes of products.alone).  Measured on the language-model
+# step at two threads (docs/benchmarks.md): the default size's ReLU, (4096, 128) = 2^19
+# values, split beside that BLAS made the decoder's step ~7 % slower; the char size's
+# layer norms, also 2^19, gained nothing split (Llama level, the decoder 8 % faster whole).
+ROWS_MIN_SIZE = 1 << 20
 
 
 def row_spans(rows: int, size: int) -> list:

@@ -1,0 +1,252 @@
+"""Compiled loops of the dense path for short float32 heads (numba; imported only through
+:mod:`.dense_rows`).
+
+One call runs the dense forward (A1-A3) or backward (A4-A9) of a span of heads while each
+head's K, V and dS sit in cache.  Every product is a row times a matrix, summed in
+registers 16 lanes at a time (:func:`attngrad.runtime._vec16.fma16`, four partial sums in
+a fixed order); the softmax runs on whole blocks of 16 with the fused kernels' lanes
+(:mod:`attngrad.runtime._vec16`).  For heads whose products are too small for BLAS to run
+well (D = 16, L = 64: each 64 x 16 x 64 product costs BLAS more in its call than in its
+arithmetic).  D and Dv are multiples of 16.  The loops take the arrays' rows as 1-D
+views per row (numba elides their reference counts).
+
+The mask is one interval of keys per query row, ``lo[b, i] <= j <= hi[b, i]``
+(:meth:`attngrad.core.masks.MaskSpec.row_intervals`).  Blocks of 16 logits may start left
+of a row's interval or reach past it (K^T is padded with zeros to a multiple of 16), but
+those logits are set to -inf before the softmax; dK and dV sum over the rows that attend
+each key only (the rules' interval ends never decrease with the row).  So a NaN in a masked-out key, value or query row cannot reach a result
+(RELIABILITY 1, 4); P is exactly 0 outside the interval; a row with no key gives O = 0 and
+dQ = 0.  Heads are computed alone: which thread runs a span never changes a bit.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from ..runtime._fused_kernels import _FM, _jit, narrow
+from ..runtime._vec16 import add16, exp_shift16, fma16, lane, max16, splat16, store16
+
+W = 16  # lanes
+_inline = numba.njit(fastmath=_FM, nogil=True, cache=True, inline="always")
+
+
+@_inline
+def _rowmat16(x, m, jb):
+    """sum_d x[d] m[d, jb:jb+16], d < len(x) (16 lanes): four partial sums over d (d mod 4),
+    added as (0 + 1) + (2 + 3).  x 1-D, m 2-D (len(x), >= jb + 16), float32, C-contiguous."""
+    n = x.shape[0]
+    z = splat16(np.float32(0.0))
+    a0 = a1 = a2 = a3 = z
+    n4 = n - n % 4
+    for d in range(0, n4, 4):
+        a0 = fma16(a0, x[d], m[d], jb)
+        a1 = fma16(a1, x[d + 1], m[d + 1], jb)
+        a2 = fma16(a2, x[d + 2], m[d + 2], jb)
+        a3 = fma16(a3, x[d + 3], m[d + 3], jb)
+    for d in range(n4, n):
+        a0 = fma16(a0, x[d], m[d], jb)
+    return add16(add16(a0, a1), add16(a2, a3))
+
+
+@_inline
+def _softmax_blocks(s):
+    """s (whole blocks of 16; masked entries -inf) <- e^(s - m) in place; returns
+    (m's shift, the sum): m the max (0 for a row with nothing allowed; +inf or NaN kept,
+    so that the row is NaN, as in PyTorch).  Sixteen lane partials, then a fixed tree."""
+    a = splat16(s[0])
+    for j in range(0, s.shape[0], W):
+        a = max16(s, j, a)
+    mx = max(max(max(max(lane(a, 0), lane(a, 8)), max(lane(a, 4), lane(a, 12))), max(max(lane(a, 2), lane(a, 10)), max(lane(a, 6), lane(a, 14)))),
+             max(max(max(lane(a, 1), lane(a, 9)), max(lane(a, 5), lane(a, 13))), max(max(lane(a, 3), lane(a, 11)), max(lane(a, 7), lane(a, 15)))))
+    zero = np.float32(0.0)
+    sh = zero if mx == -np.inf else mx
+    t = splat16(zero)
+    for j in range(0, s.shape[0], W):
+        t = exp_shift16(s, j, sh, t)
+    b0, b1 = (lane(t, 0) + lane(t, 8)) + (lane(t, 4) + lane(t, 12)), (lane(t, 1) + lane(t, 9)) + (lane(t, 5) + lane(t, 13))
+    b2, b3 = (lane(t, 2) + lane(t, 10)) + (lane(t, 6) + lane(t, 14)), (lane(t, 3) + lane(t, 11)) + (lane(t, 7) + lane(t, 15))
+    return (b0 + b2) + (b1 + b3)
+
+
+@_inline
+def _delta(x, p):
+    """sum_j p[j] x[j] in float64: 8 partials in a fixed order (A6)."""
+    n = x.shape[0]
+    n8 = n - n % 8
+    t0 = t1 = t2 = t3 = t4 = t5 = t6 = t7 = 0.0
+    for j in range(0, n8, 8):
+        t0 += np.float64(p[j]) * np.float64(x[j])
+        t1 += np.float64(p[j + 1]) * np.float64(x[j + 1])
+        t2 += np.float64(p[j + 2]) * np.float64(x[j + 2])
+        t3 += np.float64(p[j + 3]) * np.float64(x[j + 3])
+        t4 += np.float64(p[j + 4]) * np.float64(x[j + 4])
+        t5 += np.float64(p[j + 5]) * np.float64(x[j + 5])
+        t6 += np.float64(p[j + 6]) * np.float64(x[j + 6])
+        t7 += np.float64(p[j + 7]) * np.float64(x[j + 7])
+    d = ((t0 + t1) + (t2 + t3)) + ((t4 + t5) + (t6 + t7))
+    for j in range(n8, n):
+        d += np.float64(p[j]) * np.float64(x[j])
+    return d
+
+
+@_inline
+def _transposed(m, out):
+    """out[:, :n] <- m^T, out[:, n:] <- 0 (m (n, d), out (d, >= n))."""
+    n, d = m.shape
+    for j in range(n):
+        mj = m[j]
+        for e in range(d):
+            out[e, j] = mj[e]
+    for e in range(d):
+        oe = out[e]
+        for j in range(n, oe.shape[0]):
+            oe[j] = 0
+
+
+@_inline
+def _intervals(lo, hi, bb, lq, lk, ar, er):
+    """ar[r], er[r] <- the keys [ar, er) of row r (query row r % lq) of batch row bb."""
+    for r in range(ar.shape[0]):
+        i = r % lq
+        ar[r] = max(lo[bb, i], 0)
+        er[r] = min(hi[bb, i] + 1, lk)
+
+
+@_inline
+def _key_rows(ar, er, lq, lk, i0, i1):
+    """i0[j], i1[j] <- the query rows [i0, i1) of one group that attend key j, from the
+    rows' intervals [ar[i], er[i]), i < lq, whose ends never decrease (the rules
+    row_intervals gives; :func:`attngrad.core.dense_rows.plan` checks it)."""
+    first = 0
+    last = 0
+    for j in range(lk):
+        while first < lq and er[first] <= j:
+            first += 1
+        while last < lq and ar[last] <= j:
+            last += 1
+        i0[j] = first
+        i1[j] = max(first, last)
+
+
+@_inline
+def _colsum16(w, c, x, i0, i1, db):
+    """sum_i w[i, c] x[i, db:db+16], i0 <= i < i1 (16 lanes): four partial sums (i mod 4
+    from i0), added as (0 + 1) + (2 + 3).  w, x 2-D float32, C-contiguous."""
+    z = splat16(np.float32(0.0))
+    a0 = a1 = a2 = a3 = z
+    n = i1 - i0
+    n4 = i0 + n - n % 4
+    for i in range(i0, n4, 4):
+        a0 = fma16(a0, w[i, c], x[i], db)
+        a1 = fma16(a1, w[i + 1, c], x[i + 1], db)
+        a2 = fma16(a2, w[i + 2, c], x[i + 2], db)
+        a3 = fma16(a3, w[i + 3, c], x[i + 3], db)
+    for i in range(n4, i1):
+        a0 = fma16(a0, w[i, c], x[i], db)
+    return add16(add16(a0, a1), add16(a2, a3))
+
+
+@_jit
+def dense_fwd_span(q, k, v, p, o, scale, lo, hi, lq, u0, u1):
+    """Heads u0 .. u1 - 1 of the flattened (B, Hkv): P (B, Hkv, R, Lk) and O (B, Hkv, R, Dv)
+    written whole, R = G * Lq rows (query row r % lq); q (B, Hkv, R, D), k (B, Hkv, Lk, D),
+    v (B, Hkv, Lk, Dv) C-contiguous float32; lo, hi (B|1, Lq) int64.          (A1-A3)"""
+    hkv, rows, dh = q.shape[1], q.shape[2], q.shape[3]
+    lk, dv = k.shape[2], v.shape[3]
+    lkp = (lk + W - 1) // W * W
+    kt = np.empty((dh, lkp), dtype=np.float32)  # K^T of the head, zero-padded to whole blocks
+    sbuf = np.empty(lkp, dtype=np.float32)  # a row of logits
+    ar, er = np.empty(rows, dtype=np.int64), np.empty(rows, dtype=np.int64)
+    one = np.float32(1.0)
+    for u in range(u0, u1):
+        b, h = u // hkv, u % hkv
+        vh = v[b, h]
+        _transposed(k[b, h], kt)
+        if u == u0 or h == 0:
+            _intervals(lo, hi, b if lo.shape[0] > 1 else 0, lq, lk, ar, er)
+        for r in range(rows):
+            a, e = ar[r], er[r]
+            row, orow = p[b, h, r], o[b, h, r]
+            if e <= a:  # no key: P = 0, O = 0
+                row[:] = 0
+                orow[:] = 0
+                continue
+            qr = q[b, h, r]
+            j0, j1 = a - a % W, (e + W - 1) // W * W  # whole blocks of 16 covering [a, e)
+            s = sbuf[j0:j1]
+            n0, n1 = a - j0, e - j0  # the interval within s
+            for jb in range(0, j1 - j0, W):  # (A1) S = Q K^T, 16 keys at a time
+                store16(s, jb, _rowmat16(qr, kt, j0 + jb), one)
+            for j in range(n0):
+                s[j] = -np.inf  # keys of the blocks outside the interval: masked
+            for j in range(n0, n1):
+                s[j] *= scale  # (A1) the scale
+            for j in range(n1, s.shape[0]):
+                s[j] = -np.inf
+            z = _softmax_blocks(s)  # (A2)
+            if z == 0:  # nothing allowed (a NaN sum stays: the row is NaN)
+                z = one
+            row[:a] = 0
+            seg = row[a:e]
+            for j in range(e - a):
+                seg[j] = s[n0 + j] / z
+            row[e:] = 0
+            vs = vh[a:e]
+            for db in range(0, dv, W):  # (A3) O = P V
+                store16(orow, db, _rowmat16(seg, vs, db), one)
+
+
+@_jit
+def dense_bwd_span(q, k, v, p, do, dq, dk, dv, dl, scale, lo, hi, lq, u0, u1):
+    """Heads u0 .. u1 - 1: dQ (B, Hkv, R, D), dK (B, Hkv, Lk, D), dV (B, Hkv, Lk, Dv) of
+    those heads written whole, from P and dO (B, Hkv, R, Dv), all C-contiguous float32.
+    ``dl`` (B, Hkv, R) float64: the upstream gradient of the log-sum-exp, dS += P dlse
+    (LS3), or an empty array for none.                                     (A4-A9)"""
+    hkv, rows, dh = q.shape[1], q.shape[2], q.shape[3]
+    lk, ndv = k.shape[2], v.shape[3]
+    lkp = (lk + W - 1) // W * W
+    vt = np.empty((ndv, lkp), dtype=np.float32)  # V^T of the head
+    sbuf = np.empty(lkp, dtype=np.float32)
+    ds = np.empty((rows, lkp), dtype=np.float32)  # the head's dS, read inside each row's interval only
+    ar, er = np.empty(rows, dtype=np.int64), np.empty(rows, dtype=np.int64)
+    i0, i1 = np.empty(lk, dtype=np.int64), np.empty(lk, dtype=np.int64)
+    one = np.float32(1.0)
+    for u in range(u0, u1):
+        b, h = u // hkv, u % hkv
+        kh, qh, doh, ph, dkh, dvh = k[b, h], q[b, h], do[b, h], p[b, h], dk[b, h], dv[b, h]
+        _transposed(v[b, h], vt)
+        if u == u0 or h == 0:
+            _intervals(lo, hi, b if lo.shape[0] > 1 else 0, lq, lk, ar, er)
+            _key_rows(ar, er, lq, lk, i0, i1)
+        for r in range(rows):
+            a, e = ar[r], er[r]
+            dqr = dq[b, h, r]
+            if e <= a:  # no key: dQ = 0 and nothing for dK, dV
+                dqr[:] = 0
+                continue
+            j0 = a - a % W
+            s = sbuf[j0:(e + W - 1) // W * W]
+            for jb in range(0, s.shape[0], W):  # (A5) dP = dO V^T, 16 keys at a time
+                store16(s, jb, _rowmat16(doh[r], vt, j0 + jb), one)
+            dpr, prow, dsr = s[a - j0:e - j0], ph[r, a:e], ds[r, a:e]
+            delta = _delta(dpr, prow)  # (A6) in float64
+            if dl.size:
+                delta -= dl[b, h, r]  # (LS3) dS = P (dP - delta + dlse)
+            for j in range(e - a):  # (A7) dS = P (dP - delta), the difference rounded first
+                dsr[j] = narrow(dpr[j], dpr[j] - delta) * prow[j]
+            ks = kh[a:e]
+            for db in range(0, dh, W):  # (A8) dQ = scale dS K
+                store16(dqr, db, _rowmat16(dsr, ks, db), scale)
+        for j in range(lk):  # (A9) dK = scale dS^T Q, (A4) dV = P^T dO: the rows attending key j
+            dkj, dvj = dkh[j], dvh[j]
+            for db in range(0, dh, W):
+                acc = splat16(np.float32(0.0))
+                for g in range(0, rows, lq):
+                    acc = add16(acc, _colsum16(ds[g:g + lq], j, qh[g:g + lq], i0[j], i1[j], db))
+                store16(dkj, db, acc, scale)
+            for db in range(0, ndv, W):
+                acc = splat16(np.float32(0.0))
+                for g in range(0, rows, lq):
+                    acc = add16(acc, _colsum16(ph[g:g + lq], j, doh[g:g + lq], i0[j], i1[j], db))
+                store16(dvj, db, acc, one)
