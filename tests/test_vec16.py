@@ -109,3 +109,31 @@ def test_rows_of_another_layout_or_dtype_take_the_scalar_code(k):
     ref = np.exp(z.astype(np.float64) - 0.5)
     k.exp_row(z, 0.5)
     assert np.allclose(z, ref, rtol=2e-7)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_float64_row_sums_lanes_equal_scalar(k, dtype, mode):
+    """The norms' float64 row sums (``_sum8``): a contiguous row runs its 8 partials as one
+    vector of float64 lanes, a strided view of the same values the scalar code.  Bitwise
+    the same sums (one order of partials, one tree), infinities and NaN included."""
+    import numba
+
+    @numba.njit
+    def sum8(a, c, b, mode):
+        return k._sum8(a, c, b, mode)
+
+    rng = np.random.default_rng(mode)
+    for n in LENGTHS:
+        a = (rng.standard_normal((n, 2)) * 10).astype(dtype)
+        b = (rng.standard_normal((n, 2)) * 10).astype(dtype)
+        if n > 3:
+            a[1, 0] = np.inf
+            b[2, 0] = np.nan if mode == 2 else b[2, 0]
+        va, vb = a[:, 0], b[:, 0]  # strided views: the scalar code
+        ca, cb = np.ascontiguousarray(va), np.ascontiguousarray(vb)  # contiguous: the lanes
+        assert (n < 2 or not va.flags.c_contiguous) and ca.flags.c_contiguous
+        lanes, scalar = sum8(ca, 0.25, cb, mode), sum8(va, 0.25, vb, mode)
+        assert np.array_equal(lanes, scalar, equal_nan=True), (n, lanes, scalar)
+        if n and mode == 0 and np.isfinite(ca).all():
+            assert abs(lanes - ca.astype(np.float64).sum()) <= 1e-12 * np.abs(ca).sum()

@@ -5,15 +5,18 @@ They apply to NumPy float32 problems whose mask rule is one interval of keys per
 query row (causal, windows, prefix key lengths: :meth:`.masks.MaskSpec.row_intervals`),
 without an additive bias, soft-cap, sinks, ALiBi, dropout or a gradient of the scale, with
 head dims that are multiples of 16 up to MAX_HEAD_DIM and at most MAX_KEYS keys (one head's K, V and a row of P
-stay in cache): a small language model's heads (docs/benchmarks.md, the language-model
-step), where BLAS spends more on each small product's call than on its arithmetic.
-Everything else takes the NumPy code of :mod:`.dense`.
+stay in cache), and where the rule allows at most MAX_FILL of the (query, key) pairs (the
+loops skip masked keys; BLAS computes every pair, about twice as fast per pair): a small
+causal language model's heads (docs/benchmarks.md, the language-model step).  Everything
+else takes the NumPy code of :mod:`.dense`.
 
-They run on the calling thread, as the dense path's NumPy code does: the dense path is the
-one a layer takes when its products run on NumPy's threaded BLAS (not on the tiled path's
-workers, :func:`attngrad.layers.mha.core_on_pool`), and handing heads to the workers
-beside that BLAS's spinning threads made a two-thread language-model step 1.2x slower
-(docs/benchmarks.md).
+They run on the calling thread, or split by heads over the tiled path's workers where
+``workers`` is set: :func:`attngrad.core.sdpa.forward` sets it where impl="auto" would
+have run the tiled path (whose sizes the layers' projections follow onto the workers,
+:func:`attngrad.layers.mha_fwd.core_on_pool`).  Below those sizes the layers' products run
+on NumPy's threaded BLAS, and heads handed to the workers beside its spinning threads made
+a two-thread language-model step 1.2x slower (docs/benchmarks.md).  Each head is computed
+alone: the split changes no bit.
 """
 
 from __future__ import annotations
@@ -21,9 +24,11 @@ from __future__ import annotations
 import numpy as np
 
 from ..runtime import fused
+from ..runtime.parallel import row_spans, run_rows
 
-MAX_HEAD_DIM = 64  # D and Dv
-MAX_KEYS = 256  # Lk
+MAX_HEAD_DIM = 32  # D and Dv
+MAX_KEYS = 128  # Lk
+MAX_FILL = 0.6  # the share of (query, key) pairs the rule allows, at most
 
 _fwd = fused.kernel_loader("attngrad.core._dense_kernels", "dense_fwd_span")
 _bwd = fused.kernel_loader("attngrad.core._dense_kernels", "dense_bwd_span")
@@ -51,7 +56,15 @@ def plan(xp, q, prob):
     hi = np.stack([f[1] for f in found]).astype(np.int64, copy=False)
     if (np.diff(lo, axis=1) < 0).any() or (np.diff(hi, axis=1) < 0).any():
         return None  # the backward finds each key's rows as one run of rows (ends that never decrease)
+    if keys_attended((lo, hi), sh.lk) > MAX_FILL * lo.shape[0] * sh.lq * sh.lk:
+        return None  # most pairs allowed: BLAS's full products are the faster
     return lo, hi
+
+
+def keys_attended(lohi, lk: int) -> int:
+    """The (query row, key) pairs the intervals allow, summed over their batch rows."""
+    lo, hi = lohi
+    return int(np.maximum(np.minimum(hi, lk - 1) - np.maximum(lo, 0) + 1, 0).sum())
 
 
 def flat_rows(lohi, prob):
@@ -62,27 +75,51 @@ def flat_rows(lohi, prob):
     return flat.reshape(flat.shape[0], 1, 1, flat.shape[1], 1) if flat.any() else None
 
 
-def forward(qg, k, v, prob, lohi):
-    """P (B, Hkv, G*Lq, Lk) and O (B, Hkv, G*Lq, Dv) of C-contiguous qg, k, v.   (A1-A3)"""
-    B, _, Hkv, Lq, Lk, _, Dv = prob.shape
-    rows = qg.shape[2]
-    p = np.empty((B, Hkv, rows, Lk), dtype=qg.dtype)
-    o = np.empty((B, Hkv, rows, Dv), dtype=qg.dtype)
+def _run(kernel, heads: int, size: int, workers: bool) -> None:
+    """``kernel(u0, u1)`` over spans of the heads: on the workers or the calling thread."""
+    spans = row_spans(heads, size) if workers else [(0, heads)]
+    run_rows(lambda _i, u0, u1: kernel(u0, u1), spans)
+
+
+def unit_rows(x):
+    """``x`` where its last axis has adjacent elements (any other strides: the kernels read
+    a view of merged heads as it lies), else a C-contiguous copy."""
+    return x if x.shape[-1] < 2 or x.strides[-1] == x.itemsize else np.ascontiguousarray(x)
+
+
+def _writable(x, shape, dtype):
+    """``x`` where the kernels can write a result there (the shape, float32, adjacent
+    elements along the last axis), else a new array."""
+    if x is not None and x.shape == shape and x.dtype == dtype and (shape[-1] < 2 or x.strides[-1] == x.itemsize):
+        return x
+    return np.empty(shape, dtype)
+
+
+def forward(q, k, v, prob, lohi, workers: bool = False, out=None):
+    """P (B, Hkv, G*Lq, Lk) and O (B, H, Lq, Dv) from q (B, H, Lq, D), k, v with adjacent
+    elements along their last axes (:func:`unit_rows`); O written into ``out`` where given
+    and the kernels can (:func:`_writable`).                                  (A1-A3)"""
+    B, H, Hkv, Lq, Lk, _, Dv = prob.shape
+    p = np.empty((B, Hkv, H // Hkv * Lq, Lk), dtype=q.dtype)
+    o = _writable(out, (B, H, Lq, Dv), q.dtype)
     lo, hi = lohi
-    scale = qg.dtype.type(prob.scale)
+    scale = q.dtype.type(prob.scale)
     kernel = _fwd()
-    kernel(qg, k, v, p, o, scale, lo, hi, Lq, 0, B * Hkv)
+    _run(lambda u0, u1: kernel(q, k, v, p, o, scale, lo, hi, u0, u1), B * Hkv, p.size, workers)
     return p, o
 
 
-def backward(qg, k, v, p, do, prob, lohi, dl=None):
-    """dQ (B, Hkv, G*Lq, D), dK, dV from P and a C-contiguous dO (B, Hkv, G*Lq, Dv);
-    ``dl`` (B, Hkv, G*Lq) the log-sum-exp's gradient, or None.          (A4-A9, LS3)"""
-    B, _, Hkv, Lq, _, _, _ = prob.shape
-    dq, dk, dv = np.empty_like(qg), np.empty_like(k), np.empty_like(v)
+def backward(q, k, v, p, do, prob, lohi, dl=None, workers: bool = False, out=None):
+    """dQ (B, H, Lq, D), dK, dV from P and dO (B, H, Lq, Dv) (:func:`unit_rows`), each
+    written into ``out[name]`` where given and the kernels can; ``dl`` (B, H, Lq) the
+    log-sum-exp's gradient, or None.                                    (A4-A9, LS3)"""
+    B, _, Hkv = prob.shape[:3]
+    out = out or {}
+    dq, dk, dv = (_writable(out.get(n), t.shape, t.dtype) for n, t in (("q", q), ("k", k), ("v", v)))
     lo, hi = lohi
-    scale = qg.dtype.type(prob.scale)
+    scale = q.dtype.type(prob.scale)
     kernel = _bwd()
-    dl = np.zeros((0, 0, 0)) if dl is None else np.ascontiguousarray(dl, dtype=np.float64)
-    kernel(qg, k, v, p, do, dq, dk, dv, dl, scale, lo, hi, Lq, 0, B * Hkv)
+    dl = np.zeros((0, 0, 0)) if dl is None else np.asarray(dl, dtype=np.float64)
+    _run(lambda u0, u1: kernel(q, k, v, p, do, dq, dk, dv, dl, scale, lo, hi, u0, u1), B * Hkv, p.size,
+         workers)
     return dq, dk, dv

@@ -68,7 +68,8 @@ def dense_lse(cache: SDPACache):
     B, H, Hkv, Lq, Lk, _, _ = sh
     G = sh.group
     xp = namespace(cache.q)
-    qs = cache.q * prob.scale if prob.fold else cache.q  # (B, Hkv, G*Lq, D)
+    q = cache.q if cache.rows is None else xp.reshape(cache.q, (B, Hkv, G * Lq, sh.d))  # (B, H, Lq, D) kept as given
+    qs = q * prob.scale if prob.fold else q  # (B, Hkv, G*Lq, D)
     s = xp.reshape(qs @ xp.matrix_transpose(cache.k), (B, Hkv, G, Lq, Lk))  # (A1)
     bias = None if prob.bias is None else grouped5(xp, prob.bias, sh)
     slopes = None if prob.alibi is None else per_head5(xp, prob.alibi, sh)

@@ -18,6 +18,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..runtime._xp import check_array, check_float_dtypes, dtype_name, frozen_record, namespace
+from . import dense_rows
 from .dense import (
     SDPACache,
     _dropped,
@@ -26,6 +27,7 @@ from .dense import (
     masked_softmax,
     reduce_to_shape,
 )
+from .dense import on_workers as _dense_on_workers
 from .lse import attention_lse, check_dlse
 from .options import AttentionOptions
 from .problem import SDPAShape, make_problem, validate_qkv
@@ -40,6 +42,7 @@ __all__ = [
     "attention_weights",
     "check_dout",
     "masked_softmax",
+    "on_workers",
     "reduce_to_shape",
     "sdpa",
     "sdpa_backward",
@@ -161,17 +164,28 @@ def forward(q, k, v, options: AttentionOptions, run: Run):
             o = out
         return o, cache
     impl = choose_impl(xp, prob) if run.impl == "auto" else run.impl
-    if impl == "tiled":
+    rows = dense_rows.plan(xp, q, prob) if run.impl == "auto" and impl == "tiled" else None
+    direct = None if out is None else _direct({"o": out}, prob, (q, k, v, bias))
+    if rows is not None:  # short causal heads: the dense path's compiled loops, on the workers
+        o, cache = dense_forward(xp, q, k, v, prob, rows, workers=True,  # the tiled path would have used
+                                 result=(direct or {}).get("o"))
+    elif impl == "tiled":
         if xp.__name__ != "numpy":
             raise TypeError("impl='tiled' takes NumPy arrays; use impl='dense' (or 'auto') for other kinds")
-        direct = None if out is None else _direct({"o": out}, prob, (q, k, v, bias))
         o, cache = tiled_forward(q, k, v, prob, run.tiling, result=(direct or {}).get("o"), keep_result=run.keep_out)
     else:
-        o, cache = dense_forward(xp, q, k, v, prob)
+        o, cache = dense_forward(xp, q, k, v, prob, result=(direct or {}).get("o"))
     if out is not None and o is not out:
         np.copyto(out, o)
         o = out
     return o, cache
+
+
+def on_workers(cache) -> bool:
+    """Whether the forward of ``cache`` ran on the tiled path's workers: the tiled path, or
+    the dense path's compiled loops split there (impl="auto" at the tiled path's sizes).
+    A layer runs its products after the core there too."""
+    return isinstance(cache, TiledCache) or _dense_on_workers(cache)
 
 
 def check_forward_out(out, prob, xp) -> None:

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..core.sdpa import sdpa_backward
-from ..core.tiled import TiledCache
+from ..core.sdpa import on_workers, sdpa_backward
 from ..runtime import products
 from ..runtime._xp import check_array, dtype_name, namespace
 from ..runtime.ops import (
@@ -73,7 +72,7 @@ def mha_backward(dy, cache: MHACache) -> tuple[dict, dict]:
     grads = {}
     B, Lq, E_out = dy.shape
     dy2 = xp.reshape(dy, (B * Lq, E_out))  # (B*Lq, E_out) a view: 2-D GEMMs below, never batched
-    pool = isinstance(cache.attn, TiledCache)  # the core ran on the workers: so do the GEMMs
+    pool = on_workers(cache.attn)  # the core ran on the workers: so do the GEMMs
     grads["W_o"], dc = matmuls(xp, [
         weight_grad_product(xp, cache.context, dy2),  # (M5) dW_o = C^T dY
         (dy2, p["W_o"], False, True),  # (M5) dC = dY W_o^T  (B*Lq, H*Dv)

@@ -17,8 +17,8 @@ from typing import NamedTuple
 import numpy as np
 
 from ..core.options import AttentionOptions
-from ..core.sdpa import SDPACache, forward, make_run
-from ..core.tiled import TiledCache, auto_rule
+from ..core.sdpa import SDPACache, forward, make_run, on_workers
+from ..core.tiled import auto_rule
 from ..runtime import fused, products
 from ..runtime._xp import Array, frozen_record, namespace
 from ..runtime.ops import merge_heads, project, split_heads
@@ -144,7 +144,7 @@ def mha_forward(
                    keep_out=True)
     o, attn = forward(q, k, v, options, run)  # (M2) (B, H, Lq, Dv)
     c = merge_heads(xp, o) if merged is None else merged  # (M3) (B, Lq, H*Dv)
-    on_pool = isinstance(attn, TiledCache)  # the core ran on the workers: so do the GEMMs after it
+    on_pool = on_workers(attn)  # the core ran on the workers: so do the GEMMs after it
     gated = None
     if gate is not None:  # (GA1) (GA2) a new array: C stays the core's O
         c, gated = gate_forward(xp, query, c, params, gate, H, pool=on_pool)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from llvmlite import ir
 from numba import types
+from numba.core.imputils import impl_ret_borrowed
 from numba.extending import intrinsic, models, register_model
 
 W = 16  # lanes
@@ -364,5 +365,25 @@ def dot8d(typingctx, acc, a, b, j):
         x = _load8d(context, builder, signature.args[1], args[1], jj)
         y = _load8d(context, builder, signature.args[2], args[2], jj)
         return _fma8d(builder, x, y, args[0])
+
+    return sig, codegen
+
+
+@intrinsic
+def unit_row(typingctx, a):
+    """A 1-D array whose elements are adjacent (the caller has checked its stride: a row of
+    a strided array, e.g. one head's row of merged heads) typed as C-contiguous, so that
+    the lanes above take it.  The same memory, no copy."""
+    if not (isinstance(a, types.Array) and a.ndim == 1):
+        return None
+    ret = a.copy(layout="C")
+    sig = ret(a)
+
+    def codegen(context, builder, signature, args):
+        src = context.make_array(signature.args[0])(context, builder, args[0])
+        dst = context.make_array(signature.return_type)(context, builder)
+        context.populate_array(dst, data=src.data, shape=src.shape, strides=src.strides,
+                               itemsize=src.itemsize, meminfo=src.meminfo, parent=src.parent)
+        return impl_ret_borrowed(context, builder, signature.return_type, dst._getvalue())
 
     return sig, codegen
