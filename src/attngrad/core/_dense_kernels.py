@@ -4,8 +4,8 @@
 One call runs the dense forward (A1-A3) or backward (A4-A9) of a span of heads while each
 head's K, V and dS sit in cache.  Every product is a row times a matrix, summed in
 registers 16 lanes at a time (:func:`attngrad.runtime._vec16.fma16`, four partial sums in
-a fixed order); the softmax runs on whole blocks of 16 with the fused kernels' lanes
-(:mod:`attngrad.runtime._vec16`).  For heads whose products are too small for BLAS to run
+a fixed order); the softmax runs on whole blocks of 16 with the fused kernels' row max and
+exponential (:mod:`attngrad.runtime._fused_kernels`), delta with the norms' float64 sum.  For heads whose products are too small for BLAS to run
 well (D = 16, L = 64: each 64 x 16 x 64 product costs BLAS more in its call than in its
 arithmetic).  D and Dv are multiples of 16.  The loops take the arrays' rows as 1-D
 views per row (numba elides their reference counts).
@@ -14,9 +14,10 @@ The mask is one interval of keys per query row, ``lo[b, i] <= j <= hi[b, i]``
 (:meth:`attngrad.core.masks.MaskSpec.row_intervals`).  Blocks of 16 logits may start left
 of a row's interval or reach past it (K^T is padded with zeros to a multiple of 16), but
 those logits are set to -inf before the softmax; dK and dV sum over the rows that attend
-each key only (the rules' interval ends never decrease with the row).  So a NaN in a masked-out key, value or query row cannot reach a result
-(RELIABILITY 1, 4); P is exactly 0 outside the interval; a row with no key gives O = 0 and
-dQ = 0.  Heads are computed alone: which thread runs a span never changes a bit.
+each key only (the rules' interval ends never decrease with the row).  So a NaN in a
+masked-out key, value or query row cannot reach a result (RELIABILITY 1, 4); P is exactly 0
+outside the interval; a row with no key gives O = 0 and dQ = 0.  Heads are computed alone:
+which thread runs a span never changes a bit.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ..runtime._fused_kernels import _FM, _jit, narrow
-from ..runtime._vec16 import add16, exp_shift16, fma16, lane, max16, splat16, store16, unit_row
+from ..runtime._fused_kernels import _FM, _jit, _rowmax, _sum8, exp_shift_sum, narrow
+from ..runtime._vec16 import add16, fma16, splat16, store16, unit_row
 
 W = 16  # lanes
 _inline = numba.njit(fastmath=_FM, nogil=True, cache=True, inline="always")
@@ -48,47 +49,6 @@ def _rowmat16(x, m, jb):
     for d in range(n4, n):
         a0 = fma16(a0, x[d], unit_row(m[d]), jb)
     return add16(add16(a0, a1), add16(a2, a3))
-
-
-@_inline
-def _softmax_blocks(s):
-    """s (whole blocks of 16; masked entries -inf) <- e^(s - m) in place; returns
-    (m's shift, the sum): m the max (0 for a row with nothing allowed; +inf or NaN kept,
-    so that the row is NaN, as in PyTorch).  Sixteen lane partials, then a fixed tree."""
-    a = splat16(s[0])
-    for j in range(0, s.shape[0], W):
-        a = max16(s, j, a)
-    mx = max(max(max(max(lane(a, 0), lane(a, 8)), max(lane(a, 4), lane(a, 12))), max(max(lane(a, 2), lane(a, 10)), max(lane(a, 6), lane(a, 14)))),
-             max(max(max(lane(a, 1), lane(a, 9)), max(lane(a, 5), lane(a, 13))), max(max(lane(a, 3), lane(a, 11)), max(lane(a, 7), lane(a, 15)))))
-    zero = np.float32(0.0)
-    sh = zero if mx == -np.inf else mx
-    t = splat16(zero)
-    for j in range(0, s.shape[0], W):
-        t = exp_shift16(s, j, sh, t)
-    b0, b1 = (lane(t, 0) + lane(t, 8)) + (lane(t, 4) + lane(t, 12)), (lane(t, 1) + lane(t, 9)) + (lane(t, 5) + lane(t, 13))
-    b2, b3 = (lane(t, 2) + lane(t, 10)) + (lane(t, 6) + lane(t, 14)), (lane(t, 3) + lane(t, 11)) + (lane(t, 7) + lane(t, 15))
-    return (b0 + b2) + (b1 + b3)
-
-
-@_inline
-def _delta(x, p):
-    """sum_j p[j] x[j] in float64: 8 partials in a fixed order (A6)."""
-    n = x.shape[0]
-    n8 = n - n % 8
-    t0 = t1 = t2 = t3 = t4 = t5 = t6 = t7 = 0.0
-    for j in range(0, n8, 8):
-        t0 += np.float64(p[j]) * np.float64(x[j])
-        t1 += np.float64(p[j + 1]) * np.float64(x[j + 1])
-        t2 += np.float64(p[j + 2]) * np.float64(x[j + 2])
-        t3 += np.float64(p[j + 3]) * np.float64(x[j + 3])
-        t4 += np.float64(p[j + 4]) * np.float64(x[j + 4])
-        t5 += np.float64(p[j + 5]) * np.float64(x[j + 5])
-        t6 += np.float64(p[j + 6]) * np.float64(x[j + 6])
-        t7 += np.float64(p[j + 7]) * np.float64(x[j + 7])
-    d = ((t0 + t1) + (t2 + t3)) + ((t4 + t5) + (t6 + t7))
-    for j in range(n8, n):
-        d += np.float64(p[j]) * np.float64(x[j])
-    return d
 
 
 @_inline
@@ -202,8 +162,10 @@ def dense_fwd_span(q, k, v, p, o, scale, lo, hi, u0, u1):
                 s[j] *= scale  # (A1) the scale
             for j in range(n1, s.shape[0]):
                 s[j] = -np.inf
-            z = _softmax_blocks(s)  # (A2)
-            if z == 0:  # nothing allowed (a NaN sum stays: the row is NaN)
+            mx = _rowmax(s, s[0])  # (A2) as the fused softmax_rows, on whole blocks (masked: -inf)
+            zero = narrow(mx, 0.0)
+            z = exp_shift_sum(s, zero if mx == -np.inf else mx, zero)  # +inf or NaN max: a NaN row
+            if z == zero:  # nothing allowed (a NaN sum stays: the row is NaN)
                 z = one
             row[:a] = 0
             seg = row[a:e]
@@ -259,7 +221,7 @@ def dense_bwd_span(q, k, v, p, do, dq, dk, dv, dl, scale, lo, hi, u0, u1):
             for jb in range(0, s.shape[0], W):  # (A5) dP = dO V^T, 16 keys at a time
                 store16(s, jb, _rowmat16(dor, vt, j0 + jb), one)
             dpr, prow, dsr = s[a - j0:e - j0], ph[r, a:e], ds[r, a:e]
-            delta = _delta(dpr, prow)  # (A6) in float64
+            delta = _sum8(dpr, 0.0, prow, 2)  # (A6) in float64
             if dl.size:
                 delta -= dl[b, hq, i]  # (LS3) dS = P (dP - delta + dlse)
             for j in range(e - a):  # (A7) dS = P (dP - delta), the difference rounded first

@@ -49,6 +49,9 @@ _ROUNDER_BITS = int(_ROUNDER.view(np.int32))
 _LOG2E, _C1, _C2 = np.float32(EXP_LOG2E), np.float32(EXP_C1), np.float32(EXP_C2)
 _P0, _P1, _P2, _P3, _P4, _P5 = (np.float32(c) for c in EXP_POLY)
 _jit = numba.njit(fastmath=_FM, nogil=True, cache=True)
+# the row helpers other compiled loops call once per row (the dense path's, core/_dense_kernels.py):
+# inlined at numba's level, so that a short row pays no call
+_jit_inline = numba.njit(fastmath=_FM, nogil=True, cache=True, inline="always")
 
 
 @intrinsic
@@ -140,7 +143,7 @@ def _max_head_impl(row, start):
     return lambda row, start: (0, start)
 
 
-@_jit
+@_jit_inline
 def _rowmax(row, start):
     """max(start, max(row)): 16 lanes where :func:`_lanes16` takes the row, then 8 partials."""
     j0, m0 = _max_head(row, start)
@@ -184,7 +187,7 @@ def _exp_shift_head_impl(row, sh, zero):
     return lambda row, sh, zero: (0, zero)
 
 
-@_jit
+@_jit_inline
 def exp_shift_sum(row, sh, zero):
     """row <- e^(row - sh) in place; returns the sum of the new row (one pass): 16 lanes and
     a fixed tree where :func:`_lanes16` takes the row, then the rest in order."""
