@@ -44,9 +44,8 @@ class SDPACache(NamedTuple):
     psink: Array | None  # (B, Hkv, G*Lq, 1) the sink's probability, else None         (V2)
     flat: Array | None  # (b, Hkv|1, G|1, Lq, 1) bool: rows with a constant softmax (< 2 keys, no sink)
     problem: Problem
-    rows: tuple | None = None  # (lo, hi, workers): the key intervals where the compiled loops ran
-    # (.dense_rows), and whether on the workers; then q, k, v are C-contiguous and unzeroed (those
-    # loops read no masked-out key)
+    rows: dense_rows.Rows | None = None  # where the compiled loops ran (.dense_rows): then q, k, v
+    # are the inputs as given, unzeroed (those loops read no masked-out key)
 
 
 def grouped5(xp, a, sh: SDPAShape):
@@ -62,21 +61,20 @@ def per_head5(xp, a, sh: SDPAShape):
     return xp.reshape(a, (a.shape[0], sh.kv_heads, sh.group, 1, 1))
 
 
-def dense_forward(xp, q, k, v, prob: Problem, lohi=None, workers: bool = False, result=None):
+def dense_forward(xp, q, k, v, prob: Problem, rows=None, result=None):
     """Forward on validated inputs in the compute dtype.  Returns ``(out, cache)``.
-    ``lohi``: the key intervals of :func:`.dense_rows.plan` where the caller has them (else
-    planned here); ``workers``: its compiled loops split over the workers; ``result``: a
-    (B, H, Lq, Dv) array that those loops write O into where they can (the caller's ``out``,
-    checked not to overlap the inputs)."""
+    ``rows``: the compiled loops' plan (:func:`.dense_rows.plan`) where the caller has one
+    (else planned here, on the calling thread); ``result``: a (B, H, Lq, Dv) array that those
+    loops write O into where they can (the caller's ``out``, checked not to overlap the
+    inputs)."""
     sh = prob.shape
     B, H, Hkv, Lq, Lk, D, Dv = sh
     G = sh.group
-    lohi = dense_rows.plan(xp, q, prob) if lohi is None else lohi
-    if lohi is not None:  # short heads: the compiled row loops (A1-A3); q, k, v read as they lie
+    rows = dense_rows.plan(xp, q, prob) if rows is None else rows
+    if rows is not None:  # short heads: the compiled row loops (A1-A3); q, k, v read as they lie
         q, k, v = (dense_rows.unit_rows(t) for t in (q, k, v))
-        p, out = dense_rows.forward(q, k, v, prob, lohi, workers, result)
-        cache = SDPACache(q, k, v, p, None, None, dense_rows.flat_rows(lohi, prob), prob, (*lohi, workers))
-        return out, cache
+        p, out = dense_rows.forward(q, k, v, prob, rows, result)
+        return out, SDPACache(q, k, v, p, None, None, dense_rows.flat_rows(rows, prob), prob, rows)
     allowed = prob.spec.block(xp)  # (b, h, Lq, Lk) bool or None
     allowed5 = None if allowed is None else grouped5(xp, allowed, sh)  # (b, Hkv|1, G|1, Lq, Lk)
     qg = xp.reshape(q, (B, Hkv, G * Lq, D))  # (B, Hkv, G*Lq, D)
@@ -117,7 +115,7 @@ def dense_forward(xp, q, k, v, prob: Problem, lohi=None, workers: bool = False, 
 
 def on_workers(cache) -> bool:
     """Whether a dense cache's forward ran on the workers (:mod:`.dense_rows`)."""
-    return isinstance(cache, SDPACache) and cache.rows is not None and cache.rows[2]
+    return isinstance(cache, SDPACache) and cache.rows is not None and cache.rows.workers
 
 
 def _flat_rows(xp, allowed5, prob: Problem):
@@ -214,8 +212,7 @@ def dense_backward(xp, do, cache: SDPACache, out: dict | None = None, dlse=None)
     G = sh.group
     p, qg, k, v = cache.p, cache.q, cache.k, cache.v
     if cache.rows is not None:  # the compiled row loops (A4-A9, LS3)
-        dq, dk, dv = dense_rows.backward(qg, k, v, p, dense_rows.unit_rows(do), prob, cache.rows[:2], dlse,
-                                         cache.rows[2], out)
+        dq, dk, dv = dense_rows.backward(qg, k, v, p, dense_rows.unit_rows(do), prob, cache.rows, dlse, out)
         return {"q": dq, "k": dk, "v": dv}
     out = out or {}
     do = xp.reshape(do, (B, Hkv, G * Lq, Dv))  # (B, Hkv, G*Lq, Dv)

@@ -4,8 +4,8 @@ and their spans of heads over the cores.
 They apply to NumPy float32 problems whose mask rule is one interval of keys per
 query row (causal, windows, prefix key lengths: :meth:`.masks.MaskSpec.row_intervals`),
 without an additive bias, soft-cap, sinks, ALiBi, dropout or a gradient of the scale, with
-head dims that are multiples of 16 up to MAX_HEAD_DIM and at most MAX_KEYS keys (one head's K, V and a row of P
-stay in cache), and where the rule allows at most MAX_FILL of the (query, key) pairs (the
+head dims that are multiples of 16 up to MAX_HEAD_DIM and at most MAX_KEYS keys (one head's
+K, V and a row of P stay in cache), and where the rule allows at most MAX_FILL of the (query, key) pairs (the
 loops skip masked keys; BLAS computes every pair, about twice as fast per pair): a small
 causal language model's heads (docs/benchmarks.md, the language-model step).  Everything
 else takes the NumPy code of :mod:`.dense`.
@@ -21,6 +21,8 @@ alone: the split changes no bit.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from ..runtime import fused
@@ -35,9 +37,17 @@ _bwd = fused.kernel_loader("attngrad.core._dense_kernels", "dense_bwd_span")
 LANES = 16  # D and Dv are multiples of it (the kernels' register blocks)
 
 
-def plan(xp, q, prob):
-    """``(lo, hi)``, (B|1, Lq) int64 key intervals of the rows, where the compiled loops
-    take the problem; else None."""
+class Rows(NamedTuple):
+    """A problem the compiled loops take: its rows' key intervals [lo, hi] and where to run."""
+
+    lo: np.ndarray  # (B|1, Lq) int64: row i of batch row b attends keys lo[b, i] .. hi[b, i]
+    hi: np.ndarray  # (B|1, Lq) int64
+    workers: bool = False  # split by heads over the tiled path's workers, else the calling thread
+
+
+def plan(xp, q, prob) -> Rows | None:
+    """The :class:`Rows` of a problem the compiled loops take (on the calling thread), else
+    None."""
     sh = prob.shape
     if xp is not np or type(q) is not np.ndarray or np.dtype(prob.cdt) != np.float32:
         return None
@@ -56,27 +66,25 @@ def plan(xp, q, prob):
     hi = np.stack([f[1] for f in found]).astype(np.int64, copy=False)
     if (np.diff(lo, axis=1) < 0).any() or (np.diff(hi, axis=1) < 0).any():
         return None  # the backward finds each key's rows as one run of rows (ends that never decrease)
-    if keys_attended((lo, hi), sh.lk) > MAX_FILL * lo.shape[0] * sh.lq * sh.lk:
+    if int(_keys(lo, hi, sh.lk).sum()) > MAX_FILL * lo.shape[0] * sh.lq * sh.lk:
         return None  # most pairs allowed: BLAS's full products are the faster
-    return lo, hi
+    return Rows(lo, hi)
 
 
-def keys_attended(lohi, lk: int) -> int:
-    """The (query row, key) pairs the intervals allow, summed over their batch rows."""
-    lo, hi = lohi
-    return int(np.maximum(np.minimum(hi, lk - 1) - np.maximum(lo, 0) + 1, 0).sum())
+def _keys(lo, hi, lk: int):
+    """(B|1, Lq) the number of keys each row attends."""
+    return np.maximum(np.minimum(hi, lk - 1) - np.maximum(lo, 0) + 1, 0)
 
 
-def flat_rows(lohi, prob):
+def flat_rows(rows: Rows, prob):
     """(b, 1, 1, Lq, 1) bool, rows with fewer than two keys (a constant softmax, A7), or None."""
-    lo, hi = lohi
-    n = np.minimum(hi, prob.shape.lk - 1) - np.maximum(lo, 0) + 1
-    flat = n < 2
+    flat = _keys(rows.lo, rows.hi, prob.shape.lk) < 2
     return flat.reshape(flat.shape[0], 1, 1, flat.shape[1], 1) if flat.any() else None
 
 
 def _run(kernel, heads: int, size: int, workers: bool) -> None:
-    """``kernel(u0, u1)`` over spans of the heads: on the workers or the calling thread."""
+    """``kernel(u0, u1)`` over spans of the heads: on the workers (``workers``, where there
+    are several cores and ``size`` values reach ROWS_MIN_SIZE) or the calling thread."""
     spans = row_spans(heads, size) if workers else [(0, heads)]
     run_rows(lambda _i, u0, u1: kernel(u0, u1), spans)
 
@@ -95,31 +103,31 @@ def _writable(x, shape, dtype):
     return np.empty(shape, dtype)
 
 
-def forward(q, k, v, prob, lohi, workers: bool = False, out=None):
+def forward(q, k, v, prob, rows: Rows, out=None):
     """P (B, Hkv, G*Lq, Lk) and O (B, H, Lq, Dv) from q (B, H, Lq, D), k, v with adjacent
     elements along their last axes (:func:`unit_rows`); O written into ``out`` where given
     and the kernels can (:func:`_writable`).                                  (A1-A3)"""
     B, H, Hkv, Lq, Lk, _, Dv = prob.shape
     p = np.empty((B, Hkv, H // Hkv * Lq, Lk), dtype=q.dtype)
     o = _writable(out, (B, H, Lq, Dv), q.dtype)
-    lo, hi = lohi
+    lo, hi = rows.lo, rows.hi
     scale = q.dtype.type(prob.scale)
     kernel = _fwd()
-    _run(lambda u0, u1: kernel(q, k, v, p, o, scale, lo, hi, u0, u1), B * Hkv, p.size, workers)
+    _run(lambda u0, u1: kernel(q, k, v, p, o, scale, lo, hi, u0, u1), B * Hkv, p.size, rows.workers)
     return p, o
 
 
-def backward(q, k, v, p, do, prob, lohi, dl=None, workers: bool = False, out=None):
+def backward(q, k, v, p, do, prob, rows: Rows, dl=None, out=None):
     """dQ (B, H, Lq, D), dK, dV from P and dO (B, H, Lq, Dv) (:func:`unit_rows`), each
     written into ``out[name]`` where given and the kernels can; ``dl`` (B, H, Lq) the
     log-sum-exp's gradient, or None.                                    (A4-A9, LS3)"""
     B, _, Hkv = prob.shape[:3]
     out = out or {}
     dq, dk, dv = (_writable(out.get(n), t.shape, t.dtype) for n, t in (("q", q), ("k", k), ("v", v)))
-    lo, hi = lohi
+    lo, hi = rows.lo, rows.hi
     scale = q.dtype.type(prob.scale)
     kernel = _bwd()
     dl = np.zeros((0, 0, 0)) if dl is None else np.asarray(dl, dtype=np.float64)
     _run(lambda u0, u1: kernel(q, k, v, p, do, dq, dk, dv, dl, scale, lo, hi, u0, u1), B * Hkv, p.size,
-         workers)
+         rows.workers)
     return dq, dk, dv

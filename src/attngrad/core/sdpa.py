@@ -167,7 +167,7 @@ def forward(q, k, v, options: AttentionOptions, run: Run):
     rows = dense_rows.plan(xp, q, prob) if run.impl == "auto" and impl == "tiled" else None
     direct = None if out is None else _direct({"o": out}, prob, (q, k, v, bias))
     if rows is not None:  # short causal heads: the dense path's compiled loops, on the workers
-        o, cache = dense_forward(xp, q, k, v, prob, rows, workers=True,  # the tiled path would have used
+        o, cache = dense_forward(xp, q, k, v, prob, rows._replace(workers=True),  # the tiled path would have used
                                  result=(direct or {}).get("o"))
     elif impl == "tiled":
         if xp.__name__ != "numpy":
