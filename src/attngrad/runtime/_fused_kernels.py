@@ -321,6 +321,20 @@ def _sum8_impl(a, c, b, mode):
     return _sum8_lanes if rows8(a, b) else _sum8_scalar
 
 
+@_jit
+def _sum8_tail(a, c, b, mode, j0):
+    """:func:`_sum8`'s values from ``j0`` on, added in order (the tail after its partials)."""
+    tail = 0.0
+    for j in range(j0, a.shape[0]):
+        x = np.float64(a[j])
+        if mode == 1:
+            x = (x - c) * (x - c)
+        elif mode == 2:
+            x = x * np.float64(b[j])
+        tail += x
+    return tail
+
+
 def _sum8_lanes(a, c, b, mode):
     n = a.shape[0]
     n8 = n - n % 8
@@ -334,14 +348,7 @@ def _sum8_lanes(a, c, b, mode):
     else:
         for j in range(0, n8, 8):
             acc = dot8d(acc, a, b, j)
-    tail = 0.0  # the last n mod 8 values, in order
-    for j in range(n8, n):
-        x = np.float64(a[j])
-        if mode == 1:
-            x = (x - c) * (x - c)
-        elif mode == 2:
-            x = x * np.float64(b[j])
-        tail += x
+    tail = _sum8_tail(a, c, b, mode, n8)  # the last n mod 8 values, in order
     p0, p1, p2, p3 = lane8d(acc, 0), lane8d(acc, 1), lane8d(acc, 2), lane8d(acc, 3)
     p4, p5, p6, p7 = lane8d(acc, 4), lane8d(acc, 5), lane8d(acc, 6), lane8d(acc, 7)
     return (((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))) + tail
@@ -384,14 +391,7 @@ def _sum8_scalar(a, c, b, mode):
             p5 += np.float64(a[j + 5]) * np.float64(b[j + 5])
             p6 += np.float64(a[j + 6]) * np.float64(b[j + 6])
             p7 += np.float64(a[j + 7]) * np.float64(b[j + 7])
-    tail = 0.0  # the last n mod 8 values, in order
-    for j in range(n8, n):
-        x = np.float64(a[j])
-        if mode == 1:
-            x = (x - c) * (x - c)
-        elif mode == 2:
-            x = x * np.float64(b[j])
-        tail += x
+    tail = _sum8_tail(a, c, b, mode, n8)  # the last n mod 8 values, in order
     return (((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))) + tail
 
 
