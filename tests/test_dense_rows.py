@@ -159,6 +159,22 @@ def test_nan_outside_the_intervals_stays_out():
     assert np.isnan(o2[0, 0, 3]).all() and np.isfinite(np.delete(o2[0, 0], 3, axis=0)).all()
 
 
+@pytest.mark.parametrize("j", [5, 8, 13])
+def test_nan_in_a_key_reaches_only_the_rows_that_attend_it(j):
+    """Causal rows take their keys four rows at a time: NaN in key and value j (which rows
+    >= j attend) reaches O and dQ of those rows and of no earlier row, whichever rows share
+    its tile."""
+    rng = np.random.default_rng(5)
+    q, k, v, do = _data(rng, 2, 2, 2, 16, 16, 16, 16, True)
+    k[:, :, j] = np.nan
+    v[:, :, j] = np.nan
+    o, cache = sdpa_forward(q, k, v, impl="dense", causal="top_left")
+    g = sdpa_backward(do, cache)
+    assert cache.rows is not None
+    assert np.isfinite(o[:, :, :j]).all() and np.isnan(o[:, :, j:]).all()
+    assert np.isfinite(g["q"][:, :, :j]).all() and np.isnan(g["q"][:, :, j:]).all()
+
+
 def test_same_bits_on_the_workers():
     """impl="auto" at the tiled path's sizes splits the heads over the workers; the bits
     are those of one thread (each head alone)."""

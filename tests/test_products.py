@@ -84,8 +84,49 @@ def test_pooled_product_writes_out_and_runs_on_the_workers(monkeypatch):
     a, b = _operands(rng, 700, 40, 30, False, False, np.float32)
     out = np.full((700, 30), np.nan, dtype=np.float32)
     assert products.matmul(a, b, out) is out
-    assert seen == [-(-700 // products.CHUNK_ROWS)]
+    # one hand-out: a compiled loop per worker, taking the 3 blocks from one counter
+    assert seen == [min(-(-700 // products.CHUNK_ROWS), parallel.available_cores())]
     np.testing.assert_allclose(out, _reference(a, b, False, False), rtol=1e-5, atol=1e-4)
+
+
+@compiled
+def test_the_workers_loops_run_every_block_once():
+    """Threads calling the compiled loop on one counter share the blocks: each block is
+    formed once (a block formed twice with add=True would be added twice), whoever takes it."""
+    import threading
+
+    from attngrad.runtime import _block_kernels as bk
+    from attngrad.runtime import fused
+
+    rng = np.random.default_rng(9)
+    a, b = _operands(rng, 64 * 40, 24, 16, False, False, np.float64)
+    c = np.ones((64 * 40, 16))
+    prods = np.zeros((1, bk.N_FIELDS), dtype=np.int64)
+    prods[0, [bk.A, bk.B, bk.C, bk.LDA, bk.LDB, bk.LDC, bk.ADD, bk.K, bk.SIZE]] = (
+        a.ctypes.data, b.ctypes.data, c.ctypes.data, 24, 16, 16, 1, 24, 8)
+    table = np.array([(0, 1, r, r + 64, 0, 16) for r in range(0, 64 * 40, 64)], dtype=np.int64)
+    counter = np.zeros(1, dtype=np.int64)
+    run, blas = fused.block_runner(), fused.products()[1]
+    threads = [threading.Thread(target=run, args=(blas, prods, table, counter)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert counter[0] == len(table) + 4  # each loop's last take finds none left
+    np.testing.assert_allclose(c, 1 + a @ b, rtol=1e-13, atol=1e-13)
+
+
+@compiled
+def test_strided_bias_and_transposes(monkeypatch):
+    """A bias seen through a stride, and every transpose: the same values as NumPy."""
+    monkeypatch.setattr(products, "MIN_FLOPS", 0)
+    rng = np.random.default_rng(10)
+    bias = rng.standard_normal(2 * 33)[::2]
+    for trans_a in (False, True):
+        for trans_b in (False, True):
+            a, b = _operands(rng, 300, 20, 33, trans_a, trans_b, np.float64)
+            c = products.matmul(a, b, trans_a=trans_a, trans_b=trans_b, bias=bias)
+            np.testing.assert_allclose(c, _reference(a, b, trans_a, trans_b) + bias, rtol=1e-12, atol=1e-12)
 
 
 def test_what_the_pooled_path_declines_numpy_computes(monkeypatch):
@@ -146,13 +187,13 @@ def test_several_products_in_one_hand_out_are_bitwise_each_alone(monkeypatch):
     jobs = [(a, b, True, False), products.Product(c, d, False, True, bias, out)]
     calls = _count_hand_outs(monkeypatch)
     got = products.matmuls(jobs)
-    assert calls == [3 + 2] and got[1] is out
+    assert calls == [min(3 + 2, parallel.available_cores())] and got[1] is out  # 5 blocks, one hand-out
     np.testing.assert_array_equal(got[0], products.matmul(a, b, trans_a=True))
     np.testing.assert_array_equal(got[1], products.matmul(c, d, trans_b=True, bias=bias))
     calls.clear()
     strided = np.asfortranarray(c)  # declined: every product alone, NumPy for this one
     got = products.matmuls([(a, b, True, False), (strided, d, False, True)])
-    assert calls == [3]
+    assert calls == [min(3, parallel.available_cores())]
     np.testing.assert_array_equal(got[1], strided @ d.T)
     with pytest.raises(ValueError, match=r"inner sizes differ"):
         products.matmuls([(a, b, False, False)])

@@ -2,19 +2,26 @@
 :mod:`.dense_rows`).
 
 One call runs the dense forward (A1-A3) or backward (A4-A9) of a span of heads while each
-head's K, V and dS sit in cache.  Every product is a row times a matrix, summed in
-registers 16 lanes at a time (:func:`attngrad.runtime._vec16.fma16`, four partial sums in
-a fixed order); the softmax runs on whole blocks of 16 with the fused kernels' row max and
-exponential (:mod:`attngrad.runtime._fused_kernels`), delta with the norms' float64 sum.  For heads whose products are too small for BLAS to run
-well (D = 16, L = 64: each 64 x 16 x 64 product costs BLAS more in its call than in its
-arithmetic).  D and Dv are multiples of 16.  The loops take the arrays' rows as 1-D
+head's K, V and dS sit in cache.  The products are summed in registers as tiles of four
+rows by 16 lanes (:func:`attngrad.runtime._vec16.fmav16`): each block of 16 values of the
+matrix is loaded once for four query rows (S = Q K^T, dP = dO V^T; O = P V and dQ = dS K
+over the keys the four rows share, then each row's own), or once for four keys (dK, dV over
+the rows the four keys share, then each key's own); one sum per row and lane, in a fixed
+order; the last Lq mod 4 rows and Lk mod 4 keys alone.  Row by row, each
+block was loaded once per row and the loads, not the multiply-adds, bounded the loops
+(docs/benchmarks.md, the language-model step).  The softmax runs on whole blocks of 16
+with the fused kernels' row max and exponential (:mod:`attngrad.runtime._fused_kernels`),
+delta with the norms' float64 sum.  For heads whose products are too small for BLAS to
+run well (D = 16, L = 64: each 64 x 16 x 64 product costs BLAS more in its call than in
+its arithmetic).  D and Dv are multiples of 16.  The loops take the arrays' rows as 1-D
 views per row (numba elides their reference counts).
 
 The mask is one interval of keys per query row, ``lo[b, i] <= j <= hi[b, i]``
 (:meth:`attngrad.core.masks.MaskSpec.row_intervals`).  Blocks of 16 logits may start left
 of a row's interval or reach past it (K^T is padded with zeros to a multiple of 16), but
-those logits are set to -inf before the softmax; dK and dV sum over the rows that attend
-each key only (the rules' interval ends never decrease with the row).  So a NaN in a
+those logits are set to -inf before the softmax; O and dQ sum over each row's own keys and
+dK and dV over the rows that attend each key only (the rules' interval ends never decrease
+with the row).  So a NaN in a
 masked-out key, value or query row cannot reach a result (RELIABILITY 1, 4); P is exactly 0
 outside the interval; a row with no key gives O = 0 and dQ = 0.  Heads are computed alone:
 which thread runs a span never changes a bit.
@@ -26,29 +33,132 @@ import numba
 import numpy as np
 
 from ..runtime._fused_kernels import _FM, _jit, _rowmax, _sum8, exp_shift_sum, narrow
-from ..runtime._vec16 import add16, fma16, splat16, store16, unit_row
+from ..runtime._vec16 import add16, fma16, fmav16, load16, splat16, store16, unit_row
 
 W = 16  # lanes
 _inline = numba.njit(fastmath=_FM, nogil=True, cache=True, inline="always")
 
 
+R = 4  # rows (or keys) per register tile: 4 x 16 lanes, eight 8-lane accumulators on AVX2
+
+
 @_inline
-def _rowmat16(x, m, jb):
-    """sum_d x[d] m[d, jb:jb+16], d < len(x) (16 lanes): four partial sums over d (d mod 4),
-    added as (0 + 1) + (2 + 3).  x 1-D C-contiguous, m 2-D (len(x), >= jb + 16) with
-    adjacent elements in its rows, float32."""
-    n = x.shape[0]
+def _row16(x, m, jb):
+    """sum_d x[d] m[d, jb:jb+16], d < len(x) in order, one sum per lane (a row of
+    :func:`_tile4`'s, alone: the same operations, so the same bits).  x 1-D C-contiguous,
+    m 2-D (len(x), >= jb + 16) with adjacent elements in its rows, float32."""
+    acc = splat16(np.float32(0.0))
+    for d in range(x.shape[0]):
+        acc = fma16(acc, x[d], unit_row(m[d]), jb)
+    return acc
+
+
+@_inline
+def _tile4(x, r, m, jb):
+    """:func:`_row16` of rows r .. r + 3 of x (2-D C-contiguous) at once: each block of m
+    is loaded once for the four rows."""
     z = splat16(np.float32(0.0))
     a0 = a1 = a2 = a3 = z
-    n4 = n - n % 4
-    for d in range(0, n4, 4):
-        a0 = fma16(a0, x[d], unit_row(m[d]), jb)
-        a1 = fma16(a1, x[d + 1], unit_row(m[d + 1]), jb)
-        a2 = fma16(a2, x[d + 2], unit_row(m[d + 2]), jb)
-        a3 = fma16(a3, x[d + 3], unit_row(m[d + 3]), jb)
-    for d in range(n4, n):
-        a0 = fma16(a0, x[d], unit_row(m[d]), jb)
-    return add16(add16(a0, a1), add16(a2, a3))
+    x0, x1, x2, x3 = x[r], x[r + 1], x[r + 2], x[r + 3]
+    for d in range(x.shape[1]):
+        w = load16(unit_row(m[d]), jb)
+        a0 = fmav16(a0, x0[d], w)
+        a1 = fmav16(a1, x1[d], w)
+        a2 = fmav16(a2, x2[d], w)
+        a3 = fmav16(a3, x3[d], w)
+    return a0, a1, a2, a3
+
+
+@_inline
+def _blocks4(x, r, m, ar, er, sb):
+    """sb[t, j0:j1] <- (x m)[r + t] on the blocks of 16 that cover the keys [ar, er) of
+    rows r .. r + 3 that attend any (t < 4; sb's columns are key positions)."""
+    j0, j1 = sb.shape[1], 0
+    for t in range(R):
+        a, e = ar[r + t], er[r + t]
+        if a < e:
+            j0, j1 = min(j0, a - a % W), max(j1, (e + W - 1) // W * W)
+    one = np.float32(1.0)
+    for jb in range(j0, j1, W):
+        a0, a1, a2, a3 = _tile4(x, r, m, jb)
+        store16(sb[0], jb, a0, one)
+        store16(sb[1], jb, a1, one)
+        store16(sb[2], jb, a2, one)
+        store16(sb[3], jb, a3, one)
+
+
+@_inline
+def _blocks1(x, m, a, e, s):
+    """s[j0:j1] <- x m on the blocks of 16 that cover the keys [a, e) (one row)."""
+    one = np.float32(1.0)
+    for jb in range(a - a % W, (e + W - 1) // W * W if a < e else 0, W):
+        store16(s, jb, _row16(x, m, jb), one)
+
+
+@_inline
+def _edges(acc, w, m, lo, hi, c0, c1, db):
+    """acc + sum_j w[j] m[j, db:db+16] over j in [lo, hi) outside the shared [c0, c1)."""
+    for j in range(lo, min(c0, hi)):
+        acc = fma16(acc, w[j], unit_row(m[j]), db)
+    for j in range(max(c1, lo), hi):
+        acc = fma16(acc, w[j], unit_row(m[j]), db)
+    return acc
+
+
+@_inline
+def _rows4(w, r, m, lo, hi, db):
+    """t < 4: sum_j w[r + t, j] m[j, db:db+16] over each row's own [lo[r + t], hi[r + t]):
+    the keys the four rows share first (each block of m loaded once for all four), then
+    each row's others in order.  w 2-D C-contiguous; m's rows with adjacent elements."""
+    c0 = max(max(lo[r], lo[r + 1]), max(lo[r + 2], lo[r + 3]))
+    c1 = max(min(min(hi[r], hi[r + 1]), min(hi[r + 2], hi[r + 3])), c0)
+    w0, w1, w2, w3 = w[r], w[r + 1], w[r + 2], w[r + 3]
+    z = splat16(np.float32(0.0))
+    a0 = a1 = a2 = a3 = z
+    for j in range(c0, c1):
+        x = load16(unit_row(m[j]), db)
+        a0 = fmav16(a0, w0[j], x)
+        a1 = fmav16(a1, w1[j], x)
+        a2 = fmav16(a2, w2[j], x)
+        a3 = fmav16(a3, w3[j], x)
+    a0 = _edges(a0, w0, m, lo[r], hi[r], c0, c1, db)
+    a1 = _edges(a1, w1, m, lo[r + 1], hi[r + 1], c0, c1, db)
+    a2 = _edges(a2, w2, m, lo[r + 2], hi[r + 2], c0, c1, db)
+    a3 = _edges(a3, w3, m, lo[r + 3], hi[r + 3], c0, c1, db)
+    return a0, a1, a2, a3
+
+
+@_inline
+def _col_edges(acc, w, c, x, lo, hi, c0, c1, db):
+    """acc + sum_i w[i, c] x[i, db:db+16] over i in [lo, hi) outside the shared [c0, c1)."""
+    for i in range(lo, min(c0, hi)):
+        acc = fma16(acc, w[i, c], unit_row(x[i]), db)
+    for i in range(max(c1, lo), hi):
+        acc = fma16(acc, w[i, c], unit_row(x[i]), db)
+    return acc
+
+
+@_inline
+def _cols4(w, c, x, lo, hi, db):
+    """t < 4: sum_i w[i, c + t] x[i, db:db+16] over each column's own rows [lo[c + t],
+    hi[c + t]): the rows the four share first, then each column's others (dK, dV of four
+    keys: each row of x loaded once for all four)."""
+    c0 = max(max(lo[c], lo[c + 1]), max(lo[c + 2], lo[c + 3]))
+    c1 = max(min(min(hi[c], hi[c + 1]), min(hi[c + 2], hi[c + 3])), c0)
+    z = splat16(np.float32(0.0))
+    a0 = a1 = a2 = a3 = z
+    for i in range(c0, c1):
+        xi = load16(unit_row(x[i]), db)
+        wi = w[i]
+        a0 = fmav16(a0, wi[c], xi)
+        a1 = fmav16(a1, wi[c + 1], xi)
+        a2 = fmav16(a2, wi[c + 2], xi)
+        a3 = fmav16(a3, wi[c + 3], xi)
+    a0 = _col_edges(a0, w, c, x, lo[c], hi[c], c0, c1, db)
+    a1 = _col_edges(a1, w, c + 1, x, lo[c + 1], hi[c + 1], c0, c1, db)
+    a2 = _col_edges(a2, w, c + 2, x, lo[c + 2], hi[c + 2], c0, c1, db)
+    a3 = _col_edges(a3, w, c + 3, x, lo[c + 3], hi[c + 3], c0, c1, db)
+    return a0, a1, a2, a3
 
 
 @_inline
@@ -100,21 +210,46 @@ def _key_rows(ar, er, lq, lk, i0, i1):
 
 
 @_inline
-def _colsum16(w, c, x, i0, i1, db):
-    """sum_i w[i, c] x[i, db:db+16], i0 <= i < i1 (16 lanes): four partial sums (i mod 4
-    from i0), added as (0 + 1) + (2 + 3).  w, x 2-D float32; x's rows with adjacent elements."""
-    z = splat16(np.float32(0.0))
-    a0 = a1 = a2 = a3 = z
-    n = i1 - i0
-    n4 = i0 + n - n % 4
-    for i in range(i0, n4, 4):
-        a0 = fma16(a0, w[i, c], unit_row(x[i]), db)
-        a1 = fma16(a1, w[i + 1, c], unit_row(x[i + 1]), db)
-        a2 = fma16(a2, w[i + 2, c], unit_row(x[i + 2]), db)
-        a3 = fma16(a3, w[i + 3, c], unit_row(x[i + 3]), db)
-    for i in range(n4, i1):
-        a0 = fma16(a0, w[i, c], unit_row(x[i]), db)
-    return add16(add16(a0, a1), add16(a2, a3))
+def _softmax_row(sr, a, e, scale, row):
+    """(A1, A2) P's row ``row`` (Lk) from the logits' row ``sr`` (key positions; whole blocks
+    of 16 covering the keys [a, e) filled): scaled, -inf outside [a, e), the softmax of
+    the fused kernels' row max and exponential on those whole blocks; P = 0 elsewhere and
+    for a row with no key."""
+    if e <= a:
+        row[:] = 0
+        return
+    j0 = a - a % W
+    s = sr[j0:(e + W - 1) // W * W]
+    n0, n1 = a - j0, e - j0  # the interval within s
+    for j in range(n0):
+        s[j] = -np.inf  # keys of the blocks outside the interval: masked
+    for j in range(n0, n1):
+        s[j] *= scale  # (A1) the scale
+    for j in range(n1, s.shape[0]):
+        s[j] = -np.inf
+    mx = _rowmax(s, s[0])  # (A2) as the fused softmax_rows, on whole blocks (masked: -inf)
+    zero = narrow(mx, 0.0)
+    z = exp_shift_sum(s, zero if mx == -np.inf else mx, zero)  # +inf or NaN max: a NaN row
+    if z == zero:  # nothing allowed (a NaN sum stays: the row is NaN)
+        z = np.float32(1.0)
+    row[:a] = 0
+    seg = row[a:e]
+    for j in range(e - a):
+        seg[j] = s[n0 + j] / z
+    row[e:] = 0
+
+
+@_inline
+def _dsoftmax_row(sr, a, e, prow, dsr, dlse):
+    """(A6, A7) dS's row ``dsr`` on the keys [a, e) from dP's row ``sr`` (key positions) and
+    P's row: delta = rowsum(P dP) in float64 (minus the lse's gradient, LS3), then
+    dS = P (dP - delta), the difference rounded first."""
+    if e <= a:
+        return
+    dpr, pr, ds = sr[a:e], prow[a:e], dsr[a:e]
+    delta = _sum8(dpr, 0.0, pr, 2) - dlse  # (A6), (LS3) dS = P (dP - delta + dlse)
+    for j in range(e - a):  # (A7)
+        ds[j] = narrow(dpr[j], dpr[j] - delta) * pr[j]
 
 
 @_jit
@@ -123,58 +258,50 @@ def dense_fwd_span(q, k, v, p, o, scale, lo, hi, u0, u1):
     (C-contiguous; row r is query row r % Lq of query head h G + r // Lq) and O (B, H, Lq,
     Dv); q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv), o float32 with adjacent
     elements along their last axis (any other strides: merged heads); lo, hi (B|1, Lq)
-    int64.                                                                     (A1-A3)"""
+    int64.  Query rows four at a time (:func:`_tile4`, :func:`_rows4`), the last Lq mod 4
+    alone.                                                                     (A1-A3)"""
     hkv, lq, dh = k.shape[1], q.shape[2], q.shape[3]
     g = q.shape[1] // hkv
     rows, lk, dv = g * lq, k.shape[2], v.shape[3]
     lkp = (lk + W - 1) // W * W
     kt = np.empty((dh, lkp), dtype=np.float32)  # K^T of the head, zero-padded to whole blocks
-    vh = np.empty((lk, dv), dtype=np.float32)  # V of the head, gathered (merged heads lie strided)
-    sbuf = np.empty(lkp, dtype=np.float32)  # a row of logits
-    qr = np.empty(dh, dtype=np.float32)  # a row of Q, gathered
+    vh = np.empty((lk, dv), dtype=np.float32)  # V and Q of the head, gathered (merged heads lie strided)
+    qh = np.empty((rows, dh), dtype=np.float32)
+    sb = np.empty((R, lkp), dtype=np.float32)  # four rows of logits, by key position
     ar, er = np.empty(rows, dtype=np.int64), np.empty(rows, dtype=np.int64)
     one = np.float32(1.0)
+    n4 = lq - lq % R
     for u in range(u0, u1):
         b, h = u // hkv, u % hkv
+        ph = p[b, h]
         _gathered(v[b, h], vh)
         _transposed(k[b, h], kt)
+        for gg in range(g):
+            _gathered(q[b, h * g + gg], qh[gg * lq:(gg + 1) * lq])
         if u == u0 or h == 0:
             _intervals(lo, hi, b if lo.shape[0] > 1 else 0, lq, lk, ar, er)
-        for r in range(rows):
-            a, e = ar[r], er[r]
-            hq, i = h * g + r // lq, r % lq
-            row, orow = p[b, h, r], unit_row(o[b, hq, i])
-            if e <= a:  # no key: P = 0, O = 0
-                row[:] = 0
-                orow[:] = 0
-                continue
-            qs = q[b, hq, i]
-            for d in range(dh):
-                qr[d] = qs[d]
-            j0, j1 = a - a % W, (e + W - 1) // W * W  # whole blocks of 16 covering [a, e)
-            s = sbuf[j0:j1]
-            n0, n1 = a - j0, e - j0  # the interval within s
-            for jb in range(0, j1 - j0, W):  # (A1) S = Q K^T, 16 keys at a time
-                store16(s, jb, _rowmat16(qr, kt, j0 + jb), one)
-            for j in range(n0):
-                s[j] = -np.inf  # keys of the blocks outside the interval: masked
-            for j in range(n0, n1):
-                s[j] *= scale  # (A1) the scale
-            for j in range(n1, s.shape[0]):
-                s[j] = -np.inf
-            mx = _rowmax(s, s[0])  # (A2) as the fused softmax_rows, on whole blocks (masked: -inf)
-            zero = narrow(mx, 0.0)
-            z = exp_shift_sum(s, zero if mx == -np.inf else mx, zero)  # +inf or NaN max: a NaN row
-            if z == zero:  # nothing allowed (a NaN sum stays: the row is NaN)
-                z = one
-            row[:a] = 0
-            seg = row[a:e]
-            for j in range(e - a):
-                seg[j] = s[n0 + j] / z
-            row[e:] = 0
-            vs = vh[a:e]
-            for db in range(0, dv, W):  # (A3) O = P V
-                store16(orow, db, _rowmat16(seg, vs, db), one)
+        for gg in range(g):
+            ob = o[b, h * g + gg]
+            for i in range(0, n4, R):
+                r = gg * lq + i
+                _blocks4(qh, r, kt, ar, er, sb)  # (A1) S = Q K^T
+                for t in range(R):
+                    _softmax_row(sb[t], ar[r + t], er[r + t], scale, ph[r + t])  # (A1, A2)
+                o0, o1, o2, o3 = unit_row(ob[i]), unit_row(ob[i + 1]), unit_row(ob[i + 2]), unit_row(ob[i + 3])
+                for db in range(0, dv, W):  # (A3) O = P V
+                    a0, a1, a2, a3 = _rows4(ph, r, vh, ar, er, db)
+                    store16(o0, db, a0, one)
+                    store16(o1, db, a1, one)
+                    store16(o2, db, a2, one)
+                    store16(o3, db, a3, one)
+            for i in range(n4, lq):
+                r = gg * lq + i
+                a, e = ar[r], er[r]
+                _blocks1(qh[r], kt, a, e, sb[0])
+                _softmax_row(sb[0], a, e, scale, ph[r])
+                orow = unit_row(ob[i])
+                for db in range(0, dv, W):
+                    store16(orow, db, _edges(splat16(np.float32(0.0)), ph[r], vh, a, e, e, e, db), one)
 
 
 @_jit
@@ -183,7 +310,7 @@ def dense_bwd_span(q, k, v, p, do, dq, dk, dv, dl, scale, lo, hi, u0, u1):
     those heads written whole, from P (C-contiguous, as :func:`dense_fwd_span` lays it
     out) and dO (B, H, Lq, Dv); the others float32 with adjacent elements along their last
     axis.  ``dl`` (B, H, Lq) float64: the upstream gradient of the log-sum-exp, dS += P dlse
-    (LS3), or an empty array for none.                                     (A4-A9)"""
+    (LS3), or an empty array for none.  Rows, then keys, four at a time.   (A4-A9)"""
     hkv, lq, dh = k.shape[1], q.shape[2], q.shape[3]
     g = q.shape[1] // hkv
     rows, lk, ndv = g * lq, k.shape[2], v.shape[3]
@@ -192,11 +319,12 @@ def dense_bwd_span(q, k, v, p, do, dq, dk, dv, dl, scale, lo, hi, u0, u1):
     kh = np.empty((lk, dh), dtype=np.float32)  # K, Q and dO of the head, gathered (merged heads lie strided)
     qh = np.empty((rows, dh), dtype=np.float32)
     doh = np.empty((rows, ndv), dtype=np.float32)
-    sbuf = np.empty(lkp, dtype=np.float32)
+    sb = np.empty((R, lkp), dtype=np.float32)  # four rows of dP, by key position
     ds = np.empty((rows, lkp), dtype=np.float32)  # the head's dS, read inside each row's interval only
     ar, er = np.empty(rows, dtype=np.int64), np.empty(rows, dtype=np.int64)
     i0, i1 = np.empty(lk, dtype=np.int64), np.empty(lk, dtype=np.int64)
     one = np.float32(1.0)
+    n4, k4 = lq - lq % R, lk - lk % R
     for u in range(u0, u1):
         b, h = u // hkv, u % hkv
         ph, dkh, dvh = p[b, h], dk[b, h], dv[b, h]
@@ -208,36 +336,63 @@ def dense_bwd_span(q, k, v, p, do, dq, dk, dv, dl, scale, lo, hi, u0, u1):
         if u == u0 or h == 0:
             _intervals(lo, hi, b if lo.shape[0] > 1 else 0, lq, lk, ar, er)
             _key_rows(ar, er, lq, lk, i0, i1)
-        for r in range(rows):
-            a, e = ar[r], er[r]
-            hq, i = h * g + r // lq, r % lq
-            dqr = unit_row(dq[b, hq, i])
-            if e <= a:  # no key: dQ = 0 and nothing for dK, dV
-                dqr[:] = 0
-                continue
-            dor = doh[r]
-            j0 = a - a % W
-            s = sbuf[j0:(e + W - 1) // W * W]
-            for jb in range(0, s.shape[0], W):  # (A5) dP = dO V^T, 16 keys at a time
-                store16(s, jb, _rowmat16(dor, vt, j0 + jb), one)
-            dpr, prow, dsr = s[a - j0:e - j0], ph[r, a:e], ds[r, a:e]
-            delta = _sum8(dpr, 0.0, prow, 2)  # (A6) in float64
-            if dl.size:
-                delta -= dl[b, hq, i]  # (LS3) dS = P (dP - delta + dlse)
-            for j in range(e - a):  # (A7) dS = P (dP - delta), the difference rounded first
-                dsr[j] = narrow(dpr[j], dpr[j] - delta) * prow[j]
-            ks = kh[a:e]
-            for db in range(0, dh, W):  # (A8) dQ = scale dS K
-                store16(dqr, db, _rowmat16(dsr, ks, db), scale)
-        for j in range(lk):  # (A9) dK = scale dS^T Q, (A4) dV = P^T dO: the rows attending key j
-            dkj, dvj = unit_row(dkh[j]), unit_row(dvh[j])
+        for gg in range(g):
+            hq = h * g + gg
+            dqb = dq[b, hq]
+            for i in range(0, n4, R):
+                r = gg * lq + i
+                _blocks4(doh, r, vt, ar, er, sb)  # (A5) dP = dO V^T
+                for t in range(R):
+                    _dsoftmax_row(sb[t], ar[r + t], er[r + t], ph[r + t], ds[r + t],
+                                  dl[b, hq, i + t] if dl.size else 0.0)
+                d0, d1, d2, d3 = unit_row(dqb[i]), unit_row(dqb[i + 1]), unit_row(dqb[i + 2]), unit_row(dqb[i + 3])
+                for db in range(0, dh, W):  # (A8) dQ = scale dS K (a row with no key: 0)
+                    a0, a1, a2, a3 = _rows4(ds, r, kh, ar, er, db)
+                    store16(d0, db, a0, scale)
+                    store16(d1, db, a1, scale)
+                    store16(d2, db, a2, scale)
+                    store16(d3, db, a3, scale)
+            for i in range(n4, lq):
+                r = gg * lq + i
+                a, e = ar[r], er[r]
+                _blocks1(doh[r], vt, a, e, sb[0])
+                _dsoftmax_row(sb[0], a, e, ph[r], ds[r], dl[b, hq, i] if dl.size else 0.0)
+                drow = unit_row(dqb[i])
+                for db in range(0, dh, W):
+                    store16(drow, db, _edges(splat16(np.float32(0.0)), ds[r], kh, a, e, e, e, db), scale)
+        z = splat16(np.float32(0.0))
+        for j in range(0, k4, R):  # (A9) dK = scale dS^T Q, (A4) dV = P^T dO: the rows attending each key
+            k0, k1, k2, k3 = unit_row(dkh[j]), unit_row(dkh[j + 1]), unit_row(dkh[j + 2]), unit_row(dkh[j + 3])
             for db in range(0, dh, W):
-                acc = splat16(np.float32(0.0))
+                t0 = t1 = t2 = t3 = z
                 for gg in range(g):
-                    acc = add16(acc, _colsum16(ds[gg * lq:(gg + 1) * lq], j, qh[gg * lq:(gg + 1) * lq], i0[j], i1[j], db))
-                store16(dkj, db, acc, scale)
+                    a0, a1, a2, a3 = _cols4(ds[gg * lq:(gg + 1) * lq], j, qh[gg * lq:(gg + 1) * lq], i0, i1, db)
+                    t0, t1, t2, t3 = add16(t0, a0), add16(t1, a1), add16(t2, a2), add16(t3, a3)
+                store16(k0, db, t0, scale)
+                store16(k1, db, t1, scale)
+                store16(k2, db, t2, scale)
+                store16(k3, db, t3, scale)
+            v0, v1, v2, v3 = unit_row(dvh[j]), unit_row(dvh[j + 1]), unit_row(dvh[j + 2]), unit_row(dvh[j + 3])
             for db in range(0, ndv, W):
-                acc = splat16(np.float32(0.0))
+                t0 = t1 = t2 = t3 = z
                 for gg in range(g):
-                    acc = add16(acc, _colsum16(ph[gg * lq:(gg + 1) * lq], j, doh[gg * lq:(gg + 1) * lq], i0[j], i1[j], db))
-                store16(dvj, db, acc, one)
+                    a0, a1, a2, a3 = _cols4(ph[gg * lq:(gg + 1) * lq], j, doh[gg * lq:(gg + 1) * lq], i0, i1, db)
+                    t0, t1, t2, t3 = add16(t0, a0), add16(t1, a1), add16(t2, a2), add16(t3, a3)
+                store16(v0, db, t0, one)
+                store16(v1, db, t1, one)
+                store16(v2, db, t2, one)
+                store16(v3, db, t3, one)
+        for j in range(k4, lk):
+            kj, vj = unit_row(dkh[j]), unit_row(dvh[j])
+            for db in range(0, dh, W):
+                acc = z
+                for gg in range(g):
+                    acc = add16(acc, _col_edges(z, ds[gg * lq:(gg + 1) * lq], j, qh[gg * lq:(gg + 1) * lq],
+                                                i0[j], i1[j], i1[j], i1[j], db))
+                store16(kj, db, acc, scale)
+            for db in range(0, ndv, W):
+                acc = z
+                for gg in range(g):
+                    acc = add16(acc, _col_edges(z, ph[gg * lq:(gg + 1) * lq], j, doh[gg * lq:(gg + 1) * lq],
+                                                i0[j], i1[j], i1[j], i1[j], db))
+                store16(vj, db, acc, one)

@@ -225,6 +225,36 @@ def fma16(typingctx, acc, w, src, k):
 
 
 @intrinsic
+def load16(typingctx, src, k):
+    """src[k:k+16] as a :data:`LANES` value (src 1-D float32): a block loaded once and
+    used by several :func:`fmav16` (a tile of rows times a matrix)."""
+    if not (_check(src) and isinstance(k, types.Integer)):
+        return None
+    sig = LANES(src, k)
+
+    def codegen(context, builder, signature, args):
+        kk = context.cast(builder, args[1], signature.args[1], types.intp)
+        return builder.load(_block(context, builder, signature.args[0], args[0], kk), align=4)
+
+    return sig, codegen
+
+
+@intrinsic
+def fmav16(typingctx, acc, w, v):
+    """acc + w v, lane by lane, each rounded once (an FMA), v a :data:`LANES` value
+    (:func:`load16`); w float32."""
+    if not (acc == LANES and v == LANES and w == types.float32):
+        return None
+    sig = LANES(acc, w, v)
+
+    def codegen(context, builder, signature, args):
+        a, ww, vv = args
+        return _fma(builder, _splat(builder, ww), vv, a)
+
+    return sig, codegen
+
+
+@intrinsic
 def add16(typingctx, a, b):
     """a + b, lane by lane (two :data:`LANES` values)."""
     if not (a == LANES and b == LANES):

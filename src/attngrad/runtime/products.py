@@ -5,9 +5,11 @@ NumPy's BLAS (OpenBLAS in NumPy's wheels) runs a threaded product on a pool whos
 threads spin for ~0.1 s after it, yielding the core only now and then; the tiled
 attention that follows a projection runs its own workers on those cores, and loses
 them to the spinning threads (docs/benchmarks.md).  :func:`matmul` instead splits C
-into blocks of CHUNK_ROWS rows (and CHUNK_COLS columns where C has few rows), run by
-:func:`.parallel.run_units` as single-threaded products of the compiled loops' CBLAS (:mod:`._blas`: MKL with the
-``mkl`` extra, else NumPy's own).  The blocks depend on the shapes alone, never on the
+into blocks of CHUNK_ROWS rows (and CHUNK_COLS columns where C has few rows), run as
+single-threaded products of the compiled loops' CBLAS (:mod:`._blas`: MKL with the ``mkl``
+extra, else NumPy's own) by a compiled loop on each worker of :func:`.parallel.run_units`
+that takes blocks from a shared counter (:mod:`._block_kernels`: no Python between
+blocks).  The blocks depend on the shapes alone, never on the
 thread count, so neither does a bit of the result (a BLAS may round a row differently
 in products of different heights).
 
@@ -133,11 +135,29 @@ def _spans(m: int, n: int) -> tuple:
     return rows, cols
 
 
+def _table(jobs: list, cs: list, keep: list) -> np.ndarray:
+    """The products as :func:`._block_kernels.gemm_blocks` takes them: int64 (len(jobs),
+    N_FIELDS), data addresses, row strides in elements, transposes, add, K, item size; a
+    strided bias copied (into ``keep``, which the caller holds until the blocks are run)."""
+    from . import _block_kernels as bk
+
+    prods = np.zeros((len(jobs), bk.N_FIELDS), dtype=np.int64)
+    for row, j, c in zip(prods, jobs, cs, strict=True):
+        sz = j.a.itemsize
+        row[bk.A], row[bk.B], row[bk.C] = j.a.ctypes.data, j.b.ctypes.data, c.ctypes.data
+        row[bk.LDA], row[bk.LDB], row[bk.LDC] = j.a.strides[0] // sz, j.b.strides[0] // sz, c.strides[0] // sz
+        row[bk.TA], row[bk.TB], row[bk.ADD], row[bk.K], row[bk.SIZE] = j.trans_a, j.trans_b, j.add, _inner(j), sz
+        if j.bias is not None:
+            keep.append(np.ascontiguousarray(j.bias))
+            row[bk.BIAS] = keep[-1].ctypes.data
+    return prods
+
+
 def matmuls(jobs) -> list:
     """Every :class:`Product` of ``jobs``, as :func:`matmul` forms it (the same blocks, the
     same bits), in one :func:`.parallel.run_units` call where :func:`pooled` takes them all:
-    their blocks handed out together, so that the workers are woken and waited for once, not
-    once per product.
+    their blocks taken from one counter, so that the workers are woken and waited for once,
+    not once per product.
     Otherwise each alone.  A product with ``add`` that follows the product forming its
     ``out`` runs after it on each block of rows (a sum of products in one hand-out: the
     layer's dX = dQ W_q^T + dK W_k^T + dV W_v^T without concatenating the weights).
@@ -148,7 +168,7 @@ def matmuls(jobs) -> list:
     takes = [pooled(j.a, j.b, j.out, trans_a=j.trans_a, trans_b=j.trans_b, bias=j.bias) for j in jobs]
     if not all(takes):  # each alone, in order: on the workers where pooled takes it, else NumPy
         return [matmuls([j])[0] if t else _numpy(j) for j, t in zip(jobs, takes, strict=True)]
-    gemm, blas = fused.products()
+    blas = fused.products()[1]
     cs = [np.empty(mn, dtype=j.a.dtype) if j.out is None else j.out for j, mn in zip(jobs, shapes, strict=True)]
     blocks = [(g, *rows, *cols) for g in groups for row_spans, col_spans in [_spans(*shapes[g[0]])]
               for rows in row_spans for cols in col_spans]  # (products, rows [r0, r1), columns [c0, c1))
@@ -158,18 +178,15 @@ def matmuls(jobs) -> list:
     inner = {id(g): sum(_inner(jobs[i]) for i in g) for g in groups}  # K summed over a group's products
     blocks.sort(key=lambda blk: -(blk[2] - blk[1]) * (blk[4] - blk[3]) * inner[id(blk[0])])
 
-    def block(unit: int, worker: int) -> None:
-        group, r0, r1, c0, c1 = blocks[unit]
-        for i in group:
-            a, b, trans_a, trans_b, bias, _, add = jobs[i]
-            rows = a[:, r0:r1] if trans_a else a[r0:r1]  # op(a)'s rows r0 .. r1 - 1
-            cols = b[c0:c1] if trans_b else b[:, c0:c1]  # op(b)'s columns c0 .. c1 - 1
-            c = cs[i][r0:r1, c0:c1]  # (r1 - r0, c1 - c0)
-            if bias is not None:
-                c[...] = bias[c0:c1]  # the bias's rows, then C += op(a) op(b)
-            gemm(blas, rows, trans_a, cols, trans_b, c, 1.0, 1.0 if add or bias is not None else 0.0)
-
-    run_units(block, len(blocks), available_cores(), blas=not fused.private_blas())
+    keep: list = []  # alive until the blocks are run
+    prods = _table(jobs, cs, keep)
+    table = np.array([(g[0], g[-1] + 1, r0, r1, c0, c1) for g, r0, r1, c0, c1 in blocks],
+                     dtype=np.int64).reshape(-1, 6)  # products [g0, g1), rows [r0, r1), columns [c0, c1)
+    counter = np.zeros(1, dtype=np.int64)  # the next block to take
+    run = fused.block_runner()
+    cores = available_cores()
+    run_units(lambda _u, _w: run(blas, prods, table, counter), min(len(blocks), cores), cores,
+              blas=not fused.private_blas())
     return cs
 
 
