@@ -106,3 +106,168 @@ def _block(blas, prods, blk):
             _gemm_call(blas[1], blas[2], t_a, t_b, m, n, k, np.float64(1.0), pa, lda, pb, ldb,
                        np.float64(beta), pc, ldc)
 
+
+
+# ---- the crew (:mod:`.crew`): members that wait for jobs by polling, not in a system call
+
+_I64 = ir.IntType(64)
+
+
+def _slot(context, builder, aty, arr, i):
+    """Pointer to element ``i`` of a 1-D int64 array."""
+    ary = context.make_array(aty)(context, builder, arr)
+    return builder.gep(ary.data, [context.cast(builder, i, types.intp, types.intp)])
+
+
+def _int64_args(arr, *ints):
+    return isinstance(arr, types.Array) and arr.dtype == types.int64 and all(isinstance(t, types.Integer) for t in ints)
+
+
+@intrinsic
+def _add(typingctx, arr, i, v):
+    """arr[i] += v as one atomic step (int64 array); returns the value before."""
+    if not _int64_args(arr, i, v):
+        return None
+    sig = types.int64(arr, types.intp, types.int64)
+
+    def codegen(context, builder, signature, args):
+        return builder.atomic_rmw("add", _slot(context, builder, signature.args[0], args[0], args[1]), args[2],
+                                  "seq_cst")
+
+    return sig, codegen
+
+
+@intrinsic
+def _load(typingctx, arr, i):
+    """arr[i] read as one atomic step: the value another thread stored, never a copy kept
+    in a register."""
+    if not _int64_args(arr, i):
+        return None
+    sig = types.int64(arr, types.intp)
+
+    def codegen(context, builder, signature, args):
+        return builder.load_atomic(_slot(context, builder, signature.args[0], args[0], args[1]), "seq_cst", 8)
+
+    return sig, codegen
+
+
+@intrinsic
+def _store(typingctx, arr, i, v):
+    """arr[i] <- v as one atomic step, seen by the other threads in order."""
+    if not _int64_args(arr, i, v):
+        return None
+    sig = types.void(arr, types.intp, types.int64)
+
+    def codegen(context, builder, signature, args):
+        builder.store_atomic(args[2], _slot(context, builder, signature.args[0], args[0], args[1]), "seq_cst", 8)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _sleep_us(typingctx, fn, us):
+    """Call the C function ``int f(unsigned int)`` at address ``fn`` (libc's usleep) with
+    ``us``: the address is an argument, not a constant, so the machine code can be cached."""
+    if not (isinstance(fn, types.Integer) and isinstance(us, types.Integer)):
+        return None
+    sig = types.void(types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        fnty = ir.FunctionType(i32, [i32])
+        builder.call(builder.inttoptr(args[0], fnty.as_pointer()), [builder.trunc(args[1], i32)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _int64s(typingctx, addr, n):
+    """The ``n`` int64 values at address ``addr`` as a 1-D array (no copy and no owner: the
+    memory is kept alive by :mod:`.crew` while a member may read it)."""
+    if not (isinstance(addr, types.Integer) and isinstance(n, types.Integer)):
+        return None
+    ret = types.Array(types.int64, 1, "C")
+    sig = ret(types.int64, types.intp)
+
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(ret)(context, builder)
+        itemsize = context.get_constant(types.intp, 8)
+        context.populate_array(ary, data=builder.inttoptr(args[0], _I64.as_pointer()),
+                               shape=cgutils.pack_array(builder, [args[1]]),
+                               strides=cgutils.pack_array(builder, [itemsize]), itemsize=itemsize, meminfo=None)
+        return ary._getvalue()
+
+    return sig, codegen
+
+
+# a job (int64 (JOB_FIELDS,)): where its two tables lie, their lengths, and two counters
+PRODS, N_PRODS, TABLE, N_BLOCKS, TAKEN, FINISHED = range(6)
+JOB_FIELDS = 6
+# the mailbox (int64 (BOX_FIELDS + MEMBER_FIELDS members,)): the newest job's number and
+# address; then for member w the number of the last job it finished, whether it is in its
+# loop, and a request to leave the loop (1: a task waits for it in Python, 2: stop)
+EPOCH, JOB = range(2)
+BOX_FIELDS = 2
+DONE, LIVE, LEAVE = range(3)
+MEMBER_FIELDS = 3
+
+
+@_jit
+def run_job(blas, job):
+    """The job's blocks taken from its TAKEN counter until none is left (:func:`_block`),
+    each counted in FINISHED once written."""
+    prods = _int64s(job[PRODS], job[N_PRODS] * N_FIELDS).reshape((job[N_PRODS], N_FIELDS))
+    table = _int64s(job[TABLE], job[N_BLOCKS] * 6).reshape((job[N_BLOCKS], 6))
+    while True:
+        u = _add(job, TAKEN, 1)
+        if u >= table.shape[0]:
+            return
+        _block(blas, prods, table[u])
+        _add(job, FINISHED, 1)
+
+
+@_jit
+def publish(box, job_addr):
+    """Make the job at ``job_addr`` the crew's newest; returns its number."""
+    _store(box, JOB, job_addr)
+    return _add(box, EPOCH, 1) + 1
+
+
+@_jit
+def run_and_wait(blas, job):
+    """:func:`run_job` on the calling thread, then wait until every block of the job is
+    written, by whichever thread took it (a fraction of a block's time)."""
+    run_job(blas, job)
+    while _load(job, FINISHED) < job[N_BLOCKS]:
+        pass
+
+
+@_jit
+def member_loop(blas, box, w, sleep_fn, poll_us, max_polls):
+    """Member ``w`` of the crew: runs the blocks of each job published after the last it
+    saw, and between jobs polls the mailbox every ``poll_us`` microseconds (``sleep_fn``:
+    libc's usleep) until its LEAVE field is set (returns that value) or ``max_polls``
+    polls find nothing (returns 0).  It records the last job it finished and whether it is
+    in the loop, so that :mod:`.crew` knows which jobs' memory a member may still read."""
+    base = BOX_FIELDS + MEMBER_FIELDS * w
+    _store(box, base + LIVE, 1)
+    last = _load(box, base + DONE)
+    polls = 0
+    why = 0
+    while True:
+        e = _load(box, EPOCH)
+        if e != last:
+            run_job(blas, _int64s(_load(box, JOB), JOB_FIELDS))
+            _store(box, base + DONE, e)
+            last = e
+            polls = 0
+            continue
+        why = _load(box, base + LEAVE)
+        if why != 0 or polls >= max_polls:
+            break
+        _sleep_us(sleep_fn, poll_us)
+        polls += 1
+    _store(box, base + LIVE, 0)
+    return why

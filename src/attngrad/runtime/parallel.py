@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager, nullcontext
+from functools import partial
 
 _CONTROLLER = None
 _LOCK = threading.Lock()
@@ -120,10 +121,15 @@ def run_units(work: Callable[[int, int], None], n_units: int, threads: int, *, b
                 failed.append(worker)
                 raise
 
+    from . import crew
+
     with blas_threads(1) if blas else nullcontext():
         pool = _unit_pool(workers - 1)
         mask, here = _placement(workers, pool)
-        futures = [pool.submit(loop, w) for w in range(1, workers)]
+        futures = crew.post([partial(loop, w) for w in range(1, workers)])  # members polling: no wake-up
+        if futures is None:
+            crew.stand_down()  # the members hand their threads back to the pool
+            futures = [pool.submit(loop, w) for w in range(1, workers)]
         error = None
         try:
             if mask is not None:
@@ -252,6 +258,17 @@ def _unit_pool(n: int) -> ThreadPoolExecutor:
                 f.result()
             _UNIT_POOL, _UNIT_POOL_SIZE = pool, size
         return _UNIT_POOL
+
+
+def _forget_pools() -> None:
+    """In a forked child: the parent's pool threads are not there (and a lock another
+    thread held at the fork would stay held)."""
+    global _UNIT_POOL, _UNIT_POOL_SIZE, _POOL, _LOCK
+    _UNIT_POOL, _UNIT_POOL_SIZE, _POOL, _LOCK = None, 0, None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pools)
 
 
 _PARALLEL_MIN_SIZE = 1 << 18  # below this, one thread is faster than handing out work

@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import fused
+from . import crew, fused
 from .parallel import available_cores, run_units
 
 CHUNK_ROWS = 256  # rows of C per unit: (1024, 512) x (512, 512) in 4 units
@@ -182,10 +182,12 @@ def matmuls(jobs) -> list:
     prods = _table(jobs, cs, keep)
     table = np.array([(g[0], g[-1] + 1, r0, r1, c0, c1) for g, r0, r1, c0, c1 in blocks],
                      dtype=np.int64).reshape(-1, 6)  # products [g0, g1), rows [r0, r1), columns [c0, c1)
+    workers = min(len(blocks), available_cores())
+    if crew.run(prods, table, workers):  # the caller and the crew's polling members
+        return cs
     counter = np.zeros(1, dtype=np.int64)  # the next block to take
     run = fused.block_runner()
-    cores = available_cores()
-    run_units(lambda _u, _w: run(blas, prods, table, counter), min(len(blocks), cores), cores,
+    run_units(lambda _u, _w: run(blas, prods, table, counter), workers, available_cores(),
               blas=not fused.private_blas())
     return cs
 

@@ -1,0 +1,157 @@
+"""The crew (runtime/crew.py): members that poll for the pooled products' blocks and take
+run_units' tasks without a wake-up.  Every block and unit runs once, errors come back,
+nested hand-outs and concurrent callers finish, and a forked child works on its own."""
+
+import multiprocessing
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from attngrad.runtime import crew, fused, parallel, products
+
+pytestmark = [
+    pytest.mark.skipif(fused.products() is None, reason="the compiled loops need numba (attngrad[fast])"),
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the crew polls with Linux's usleep"),
+]
+
+
+@pytest.fixture
+def two_cores(monkeypatch):
+    """Two workers wherever the tests run (one member besides the caller)."""
+    monkeypatch.setattr(products, "available_cores", lambda: 2)
+    monkeypatch.setattr(parallel, "available_cores", lambda: 2)
+    monkeypatch.setattr(products, "MIN_FLOPS", 0)
+
+
+def _product(rng, m=1000, k=40, n=24):
+    a = rng.standard_normal((m, k))
+    b = rng.standard_normal((k, n))
+    return a, b, a @ b
+
+
+def _members_polling(timeout=2.0) -> bool:
+    c = crew._CREW
+    end = time.perf_counter() + timeout
+    while time.perf_counter() < end:
+        if c and all(c.queued) and all(c.box[c.field(w, "LIVE")] for w in range(c.members)):
+            return True
+        time.sleep(1e-4)
+    return False
+
+
+def test_products_back_to_back_are_right_and_the_members_poll(two_cores):
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        a, b, ref = _product(rng)
+        np.testing.assert_allclose(products.matmul(a, b), ref, rtol=1e-12, atol=1e-12)
+    assert crew._CREW and crew._CREW.members == 1
+    products.matmul(*_product(rng)[:2])
+    assert _members_polling()  # between products the member waits in its loop
+
+
+def test_run_units_hands_tasks_to_polling_members(two_cores):
+    rng = np.random.default_rng(1)
+    products.matmul(*_product(rng)[:2])
+    assert _members_polling()
+    seen = []
+    lock = threading.Lock()
+
+    def work(u, w):
+        time.sleep(0.002)  # (releases the GIL: the member takes units too)
+        with lock:
+            seen.append((u, w))
+
+    assert parallel.run_units(work, 8, 2, blas=False) == 2
+    assert sorted(u for u, _ in seen) == list(range(8))
+    assert {w for _, w in seen} == {0, 1}
+
+
+def test_an_error_in_a_members_unit_comes_back(two_cores):
+    rng = np.random.default_rng(2)
+    products.matmul(*_product(rng)[:2])
+    assert _members_polling()
+
+    def work(u, w):
+        time.sleep(0.001)
+        if w == 1:
+            raise RuntimeError("unit failed on the member")
+
+    with pytest.raises(RuntimeError, match="on the member"):
+        parallel.run_units(work, 20, 2, blas=False)
+    a, b, ref = _product(rng)
+    np.testing.assert_allclose(products.matmul(a, b), ref, rtol=1e-12, atol=1e-12)  # still serving
+
+
+def test_nested_hand_outs_and_products_in_units_finish(two_cores):
+    rng = np.random.default_rng(3)
+    a, b, ref = _product(rng)
+    products.matmul(a, b)
+    assert _members_polling()
+    out = [None] * 4
+
+    def work(u, w):
+        out[u] = products.matmul(a, b)  # a pooled product inside a unit
+
+    parallel.run_units(work, 4, 2, blas=False)
+    for c in out:
+        np.testing.assert_array_equal(c, out[0])
+        np.testing.assert_allclose(c, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_concurrent_callers_each_get_their_product(two_cores):
+    rng = np.random.default_rng(4)
+    cases = [_product(rng, m=600 + 50 * i) for i in range(4)]
+    errors = []
+
+    def caller(i):
+        a, b, ref = cases[i]
+        try:
+            for _ in range(15):
+                np.testing.assert_allclose(products.matmul(a, b), ref, rtol=1e-12, atol=1e-12)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors and not any(t.is_alive() for t in threads)
+
+
+def _child(conn):
+    rng = np.random.default_rng(5)
+    a, b, ref = _product(rng)
+    ok = np.allclose(products.matmul(a, b), ref, rtol=1e-12, atol=1e-12)
+    units = []
+    parallel.run_units(lambda u, w: units.append(u), 6, 2, blas=False)
+    conn.send(bool(ok) and sorted(units) == list(range(6)))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_makes_its_own_crew(two_cores):
+    rng = np.random.default_rng(6)
+    products.matmul(*_product(rng)[:2])
+    assert _members_polling()
+    ctx = multiprocessing.get_context("fork")
+    here, there = ctx.Pipe()
+    p = ctx.Process(target=_child, args=(there,))
+    p.start()
+    p.join(timeout=60)
+    alive = p.is_alive()
+    if alive:
+        p.kill()
+    assert not alive and p.exitcode == 0 and here.poll() and here.recv()
+
+
+def test_the_members_stop_polling_when_idle(two_cores):
+    rng = np.random.default_rng(7)
+    products.matmul(*_product(rng)[:2])
+    end = time.perf_counter() + 2.0
+    while any(crew._CREW.queued) and time.perf_counter() < end:
+        time.sleep(0.001)
+    assert not any(crew._CREW.queued)  # back in the pool after IDLE_SECONDS without a job
