@@ -112,7 +112,7 @@ def test_concurrent_callers_each_get_their_product(two_cores):
         try:
             for _ in range(15):
                 np.testing.assert_allclose(products.matmul(a, b), ref, rtol=1e-12, atol=1e-12)
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:  # reported below
             errors.append(exc)
 
     threads = [threading.Thread(target=caller, args=(i,)) for i in range(4)]

@@ -1,13 +1,15 @@
-"""The blocks of :func:`attngrad.runtime.products.matmuls` run by a compiled loop (numba;
-imported only through :func:`attngrad.runtime.fused.block_runner`).
+"""The blocks of :func:`attngrad.runtime.products.matmuls` run by a compiled loop, and the
+crew's polling loop (numba; imported only through :func:`attngrad.runtime.fused.block_runner`
+and :mod:`attngrad.runtime.crew`).
 
-Each worker of :func:`attngrad.runtime.parallel.run_units` makes one call of
-:func:`gemm_blocks`, which takes blocks from a shared counter (an atomic add) until none is
-left and runs each block's products straight on CBLAS (:func:`._tiled_kernels.gemm`'s
-call).  No Python and no GIL between blocks: with the blocks handed out one by one from
-Python, every block took the GIL twice, and two workers queued for it at each block
-(docs/benchmarks.md, the language-model step).  The blocks are those of the Python loop,
-each formed alone: the same bits.
+Each worker makes one call of :func:`gemm_blocks` (a worker of
+:func:`attngrad.runtime.parallel.run_units`) or :func:`run_job` (the caller and the crew's
+members), which takes blocks from a shared counter (an atomic add) until none is left and
+runs each block's products straight on CBLAS (:func:`._tiled_kernels.gemm`'s call).  No
+Python and no GIL between blocks: with the blocks handed out one by one from Python, every
+block took the GIL twice, and two workers queued for it at each block (docs/benchmarks.md,
+the language-model step).  The blocks are those the Python loop ran, each formed alone:
+the same bits.
 """
 
 from __future__ import annotations

@@ -88,7 +88,9 @@ def run_units(work: Callable[[int, int], None], n_units: int, threads: int, *, b
     """Call ``work(unit, worker)`` for every unit in ``range(n_units)``; returns the worker count.
     With ``threads`` > 1 and at least two units, ``min(threads, n_units)`` workers take
     units in order from a shared counter, BLAS single-threaded in each: the calling thread
-    is worker 0 and the others run on a persistent pool (:func:`_unit_pool`), so a call
+    is worker 0 and the others run on a persistent pool (:func:`_unit_pool`; where its
+    threads are polling as :mod:`.crew`'s members, they are handed the work without a
+    wake-up: :func:`.crew.post`), so a call
     neither starts threads nor waits for one to start before work begins (a fresh thread
     can start milliseconds late, leaving its share of the work to wait).  For the length of the call the caller stays on the CPU it is on and the
     pool's threads run on the others (:func:`_placement`).  Otherwise one thread runs them

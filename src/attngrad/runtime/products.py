@@ -7,9 +7,10 @@ attention that follows a projection runs its own workers on those cores, and los
 them to the spinning threads (docs/benchmarks.md).  :func:`matmul` instead splits C
 into blocks of CHUNK_ROWS rows (and CHUNK_COLS columns where C has few rows), run as
 single-threaded products of the compiled loops' CBLAS (:mod:`._blas`: MKL with the ``mkl``
-extra, else NumPy's own) by a compiled loop on each worker of :func:`.parallel.run_units`
-that takes blocks from a shared counter (:mod:`._block_kernels`: no Python between
-blocks).  The blocks depend on the shapes alone, never on the
+extra, else NumPy's own) by a compiled loop on each worker that takes blocks from a shared
+counter (:mod:`._block_kernels`: no Python between blocks): the caller and the polling
+members of :mod:`.crew`, or where there is no crew the workers of
+:func:`.parallel.run_units`.  The blocks depend on the shapes alone, never on the
 thread count, so neither does a bit of the result (a BLAS may round a row differently
 in products of different heights).
 
