@@ -2,8 +2,8 @@
 run_units' tasks without a wake-up.  Every block and unit runs once, errors come back,
 nested hand-outs and concurrent callers finish, and a forked child works on its own."""
 
-import multiprocessing
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -53,10 +53,13 @@ def test_products_back_to_back_are_right_and_the_members_poll(two_cores):
     assert _members_polling()  # between products the member waits in its loop
 
 
-def test_run_units_hands_tasks_to_polling_members(two_cores):
+def test_run_units_hands_tasks_to_polling_members(two_cores, monkeypatch):
     rng = np.random.default_rng(1)
     products.matmul(*_product(rng)[:2])
     assert _members_polling()
+    posted = []
+    real = crew.post
+    monkeypatch.setattr(crew, "post", lambda fns: posted.append(real(fns)) or posted[-1])
     seen = []
     lock = threading.Lock()
 
@@ -68,6 +71,7 @@ def test_run_units_hands_tasks_to_polling_members(two_cores):
     assert parallel.run_units(work, 8, 2, blas=False) == 2
     assert sorted(u for u, _ in seen) == list(range(8))
     assert {w for _, w in seen} == {0, 1}
+    assert len(posted) == 1 and posted[0] is not None  # handed to the polling member, no wake-up
 
 
 def test_an_error_in_a_members_unit_comes_back(two_cores):
@@ -123,29 +127,48 @@ def test_concurrent_callers_each_get_their_product(two_cores):
     assert not errors and not any(t.is_alive() for t in threads)
 
 
-def _child(conn):
-    rng = np.random.default_rng(5)
-    a, b, ref = _product(rng)
-    ok = np.allclose(products.matmul(a, b), ref, rtol=1e-12, atol=1e-12)
+_FORK_SCRIPT = """
+import multiprocessing, sys
+import numpy as np
+from attngrad.runtime import crew, parallel, products
+products.MIN_FLOPS = 0
+rng = np.random.default_rng(5)
+a, b = rng.standard_normal((1000, 40)), rng.standard_normal((40, 24))
+products.matmul(a, b)  # the parent's crew, polling
+
+def child(conn):
+    import time
+    ok = np.allclose(products.matmul(a, b), a @ b, rtol=1e-12, atol=1e-12)
     units = []
-    parallel.run_units(lambda u, w: units.append(u), 6, 2, blas=False)
-    conn.send(bool(ok) and sorted(units) == list(range(6)))
+    def unit(u, w):
+        time.sleep(0.005)  # (releases the GIL)
+        units.append((u, w))
+    parallel.run_units(unit, 12, 2, blas=False)
+    # every unit once, and some on a thread of the child's own: the parent's are not here
+    conn.send(bool(ok) and sorted(u for u, _ in units) == list(range(12)) and {w for _, w in units} == {0, 1})
+
+ctx = multiprocessing.get_context("fork")
+here, there = ctx.Pipe()
+p = ctx.Process(target=child, args=(there,))
+p.start()
+p.join(timeout=60)
+if p.is_alive():
+    p.kill()
+    sys.exit(3)
+sys.exit(0 if p.exitcode == 0 and here.poll() and here.recv() else 4)
+"""
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
-def test_a_forked_child_makes_its_own_crew(two_cores):
-    rng = np.random.default_rng(6)
-    products.matmul(*_product(rng)[:2])
-    assert _members_polling()
-    ctx = multiprocessing.get_context("fork")
-    here, there = ctx.Pipe()
-    p = ctx.Process(target=_child, args=(there,))
-    p.start()
-    p.join(timeout=60)
-    alive = p.is_alive()
-    if alive:
-        p.kill()
-    assert not alive and p.exitcode == 0 and here.poll() and here.recv()
+def test_a_forked_child_makes_its_own_crew():
+    """Forked while the parent's members poll, a child runs products and units on a crew
+    and pool of its own (the parent's threads are not in it; without the reset at the
+    fork its caller would run every unit alone).  In a fresh interpreter, so that no
+    other library's threads are forked along."""
+    if parallel.available_cores() < 2:
+        pytest.skip("one core: no crew")
+    done = subprocess.run([sys.executable, "-c", _FORK_SCRIPT], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_the_members_stop_polling_when_idle(two_cores):
