@@ -27,6 +27,19 @@ def two_cores(monkeypatch):
     monkeypatch.setattr(products, "MIN_FLOPS", 0)
 
 
+@pytest.fixture
+def polling(two_cores, monkeypatch):
+    """The crew made, its members polling until told to stop (not IDLE_SECONDS: a test
+    descheduled for 5 ms on a busy machine must still find them), stopped after the test."""
+    products.matmul(*_product(np.random.default_rng(99))[:2])
+    crew.stand_down()
+    assert _members_gone()
+    monkeypatch.setattr(crew._CREW, "max_polls", 10**6)
+    yield
+    crew.stand_down()
+    assert _members_gone()
+
+
 def _product(rng, m=1000, k=40, n=24):
     a = rng.standard_normal((m, k))
     b = rng.standard_normal((k, n))
@@ -43,7 +56,14 @@ def _members_polling(timeout=2.0) -> bool:
     return False
 
 
-def test_products_back_to_back_are_right_and_the_members_poll(two_cores):
+def _members_gone(timeout=2.0) -> bool:
+    end = time.perf_counter() + timeout
+    while any(crew._CREW.queued) and time.perf_counter() < end:
+        time.sleep(1e-4)
+    return not any(crew._CREW.queued)
+
+
+def test_products_back_to_back_are_right_and_the_members_poll(polling):
     rng = np.random.default_rng(0)
     for _ in range(20):
         a, b, ref = _product(rng)
@@ -53,7 +73,7 @@ def test_products_back_to_back_are_right_and_the_members_poll(two_cores):
     assert _members_polling()  # between products the member waits in its loop
 
 
-def test_run_units_hands_tasks_to_polling_members(two_cores, monkeypatch):
+def test_run_units_hands_tasks_to_polling_members(polling, monkeypatch):
     rng = np.random.default_rng(1)
     products.matmul(*_product(rng)[:2])
     assert _members_polling()
@@ -74,7 +94,7 @@ def test_run_units_hands_tasks_to_polling_members(two_cores, monkeypatch):
     assert len(posted) == 1 and posted[0] is not None  # handed to the polling member, no wake-up
 
 
-def test_an_error_in_a_members_unit_comes_back(two_cores):
+def test_an_error_in_a_members_unit_comes_back(polling):
     rng = np.random.default_rng(2)
     products.matmul(*_product(rng)[:2])
     assert _members_polling()
@@ -90,7 +110,7 @@ def test_an_error_in_a_members_unit_comes_back(two_cores):
     np.testing.assert_allclose(products.matmul(a, b), ref, rtol=1e-12, atol=1e-12)  # still serving
 
 
-def test_nested_hand_outs_and_products_in_units_finish(two_cores):
+def test_nested_hand_outs_and_products_in_units_finish(polling):
     rng = np.random.default_rng(3)
     a, b, ref = _product(rng)
     products.matmul(a, b)
@@ -174,7 +194,4 @@ def test_a_forked_child_makes_its_own_crew():
 def test_the_members_stop_polling_when_idle(two_cores):
     rng = np.random.default_rng(7)
     products.matmul(*_product(rng)[:2])
-    end = time.perf_counter() + 2.0
-    while any(crew._CREW.queued) and time.perf_counter() < end:
-        time.sleep(0.001)
-    assert not any(crew._CREW.queued)  # back in the pool after IDLE_SECONDS without a job
+    assert _members_gone()  # back in the pool after IDLE_SECONDS without a job

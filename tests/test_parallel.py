@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 
@@ -99,6 +100,7 @@ def test_workers_run_on_separate_cpus_and_the_caller_gets_its_cpu_set_back(monke
     def work(unit, worker):
         with lock:
             seen.setdefault(worker, set()).add(frozenset(os.sched_getaffinity(0)))
+        time.sleep(0.001)  # (a worker polling as the crew's member starts at once: leave units for the caller)
 
     assert parallel.run_units(work, 20, 2) == 2
     assert os.sched_getaffinity(0) == before
@@ -129,6 +131,7 @@ def test_no_placement_when_switched_off_or_with_more_workers_than_cpus(monkeypat
     def work(unit, worker):
         if worker == 0:
             seen.add(frozenset(os.sched_getaffinity(0)))
+        time.sleep(0.001)  # (leave units for the caller: a polling member starts at once)
 
     monkeypatch.setenv(parallel.ENV_NO_PIN, "1")
     parallel.run_units(work, 10, 2)
