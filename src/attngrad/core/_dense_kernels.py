@@ -162,6 +162,29 @@ def _cols4(w, c, x, lo, hi, db):
 
 
 @_inline
+def _cols4_heads(w, x, lq, g, c, lo, hi, db):
+    """:func:`_cols4` summed over the ``g`` query heads of a group (rows h lq .. (h + 1) lq
+    of ``w`` and ``x``), added in head order."""
+    z = splat16(np.float32(0.0))
+    t0 = t1 = t2 = t3 = z
+    for h in range(g):
+        a0, a1, a2, a3 = _cols4(w[h * lq:(h + 1) * lq], c, x[h * lq:(h + 1) * lq], lo, hi, db)
+        t0, t1, t2, t3 = add16(t0, a0), add16(t1, a1), add16(t2, a2), add16(t3, a3)
+    return t0, t1, t2, t3
+
+
+@_inline
+def _col_heads(w, x, lq, g, c, lo, hi, db):
+    """Column ``c`` alone (:func:`_col_edges` over its own rows), summed over the ``g``
+    query heads of a group in head order."""
+    z = splat16(np.float32(0.0))
+    acc = z
+    for h in range(g):
+        acc = add16(acc, _col_edges(z, w[h * lq:(h + 1) * lq], c, x[h * lq:(h + 1) * lq], lo[c], hi[c], hi[c], hi[c], db))
+    return acc
+
+
+@_inline
 def _transposed(m, out):
     """out[:, :n] <- m^T, out[:, n:] <- 0 (m (n, d), out (d, >= n))."""
     n, d = m.shape
@@ -360,24 +383,17 @@ def dense_bwd_span(q, k, v, p, do, dq, dk, dv, dl, scale, lo, hi, u0, u1):
                 drow = unit_row(dqb[i])
                 for db in range(0, dh, W):
                     store16(drow, db, _edges(splat16(np.float32(0.0)), ds[r], kh, a, e, e, e, db), scale)
-        z = splat16(np.float32(0.0))
         for j in range(0, k4, R):  # (A9) dK = scale dS^T Q, (A4) dV = P^T dO: the rows attending each key
             k0, k1, k2, k3 = unit_row(dkh[j]), unit_row(dkh[j + 1]), unit_row(dkh[j + 2]), unit_row(dkh[j + 3])
             for db in range(0, dh, W):
-                t0 = t1 = t2 = t3 = z
-                for gg in range(g):
-                    a0, a1, a2, a3 = _cols4(ds[gg * lq:(gg + 1) * lq], j, qh[gg * lq:(gg + 1) * lq], i0, i1, db)
-                    t0, t1, t2, t3 = add16(t0, a0), add16(t1, a1), add16(t2, a2), add16(t3, a3)
+                t0, t1, t2, t3 = _cols4_heads(ds, qh, lq, g, j, i0, i1, db)
                 store16(k0, db, t0, scale)
                 store16(k1, db, t1, scale)
                 store16(k2, db, t2, scale)
                 store16(k3, db, t3, scale)
             v0, v1, v2, v3 = unit_row(dvh[j]), unit_row(dvh[j + 1]), unit_row(dvh[j + 2]), unit_row(dvh[j + 3])
             for db in range(0, ndv, W):
-                t0 = t1 = t2 = t3 = z
-                for gg in range(g):
-                    a0, a1, a2, a3 = _cols4(ph[gg * lq:(gg + 1) * lq], j, doh[gg * lq:(gg + 1) * lq], i0, i1, db)
-                    t0, t1, t2, t3 = add16(t0, a0), add16(t1, a1), add16(t2, a2), add16(t3, a3)
+                t0, t1, t2, t3 = _cols4_heads(ph, doh, lq, g, j, i0, i1, db)
                 store16(v0, db, t0, one)
                 store16(v1, db, t1, one)
                 store16(v2, db, t2, one)
@@ -385,14 +401,6 @@ def dense_bwd_span(q, k, v, p, do, dq, dk, dv, dl, scale, lo, hi, u0, u1):
         for j in range(k4, lk):
             kj, vj = unit_row(dkh[j]), unit_row(dvh[j])
             for db in range(0, dh, W):
-                acc = z
-                for gg in range(g):
-                    acc = add16(acc, _col_edges(z, ds[gg * lq:(gg + 1) * lq], j, qh[gg * lq:(gg + 1) * lq],
-                                                i0[j], i1[j], i1[j], i1[j], db))
-                store16(kj, db, acc, scale)
+                store16(kj, db, _col_heads(ds, qh, lq, g, j, i0, i1, db), scale)
             for db in range(0, ndv, W):
-                acc = z
-                for gg in range(g):
-                    acc = add16(acc, _col_edges(z, ph[gg * lq:(gg + 1) * lq], j, doh[gg * lq:(gg + 1) * lq],
-                                                i0[j], i1[j], i1[j], i1[j], db))
-                store16(vj, db, acc, one)
+                store16(vj, db, _col_heads(ph, doh, lq, g, j, i0, i1, db), one)

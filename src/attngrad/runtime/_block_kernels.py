@@ -31,21 +31,6 @@ G0, G1, R0, R1, C0, C1 = range(6)
 
 
 @intrinsic
-def _take(typingctx, counter):
-    """counter[0] += 1 as one atomic step (an int64 array shared by the workers); returns
-    the value before: the next block to run."""
-    if not (isinstance(counter, types.Array) and counter.dtype == types.int64):
-        return None
-    sig = types.int64(counter)
-
-    def codegen(context, builder, signature, args):
-        ary = context.make_array(signature.args[0])(context, builder, args[0])
-        return builder.atomic_rmw("add", ary.data, ir.Constant(ir.IntType(64), 1), "seq_cst")
-
-    return sig, codegen
-
-
-@intrinsic
 def _copy_bytes(typingctx, dst, src, n):
     """memcpy(dst, src, n): addresses as integers."""
     if not all(isinstance(t, types.Integer) for t in (dst, src, n)):
@@ -67,7 +52,7 @@ def gemm_blocks(blas, prods, blocks, counter):
     until none is left, each run by :func:`_block` over ``prods``."""
     nb = blocks.shape[0]
     while True:
-        u = _take(counter)
+        u = _add(counter, 0, 1)  # the next block, taken as one atomic step
         if u >= nb:
             return
         _block(blas, prods, blocks[u])
