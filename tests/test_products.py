@@ -108,14 +108,15 @@ def test_the_workers_loops_run_every_block_once():
     prods[0, [bk.A, bk.B, bk.C, bk.LDA, bk.LDB, bk.LDC, bk.ADD, bk.K, bk.SIZE]] = (
         a.ctypes.data, b.ctypes.data, c.ctypes.data, 24, 16, 16, 1, 24, 8)
     table = np.array([(0, 1, r, r + 64, 0, 16) for r in range(0, 64 * 40, 64)], dtype=np.int64)
-    counter = np.zeros(1, dtype=np.int64)
-    run, blas = fused.block_runner(), fused.products()[1]
-    threads = [threading.Thread(target=run, args=(blas, prods, table, counter)) for _ in range(4)]
+    job = products.crew.job(prods, table)
+    blas = fused.products()[1]
+    threads = [threading.Thread(target=bk.run_job, args=(blas, job)) for _ in range(4)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert counter[0] == len(table) + 4  # each loop's last take finds none left
+    assert job[bk.TAKEN] == len(table) + 4  # each loop's last take finds none left
+    assert job[bk.FINISHED] == len(table)
     np.testing.assert_allclose(c, 1 + a @ b, rtol=1e-13, atol=1e-13)
 
 

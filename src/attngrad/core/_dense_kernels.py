@@ -129,6 +129,26 @@ def _rows4(w, r, m, lo, hi, db):
 
 
 @_inline
+def _store_rows4(dst, i, w, r, m, lo, hi, scale):
+    """dst[i + t] <- scale sum_j w[r + t, j] m[j] over each row's keys (:func:`_rows4`),
+    t < 4, every block of 16 of a row of ``dst`` (2-D, adjacent elements in its rows)."""
+    d0, d1, d2, d3 = unit_row(dst[i]), unit_row(dst[i + 1]), unit_row(dst[i + 2]), unit_row(dst[i + 3])
+    for db in range(0, dst.shape[1], W):
+        a0, a1, a2, a3 = _rows4(w, r, m, lo, hi, db)
+        store16(d0, db, a0, scale)
+        store16(d1, db, a1, scale)
+        store16(d2, db, a2, scale)
+        store16(d3, db, a3, scale)
+
+
+@_inline
+def _store_row1(dst, w, m, a, e, scale):
+    """dst <- scale sum_j w[j] m[j] over the keys [a, e), in order (one row alone)."""
+    for db in range(0, dst.shape[0], W):
+        store16(dst, db, _edges(splat16(np.float32(0.0)), w, m, a, e, e, e, db), scale)
+
+
+@_inline
 def _col_edges(acc, w, c, x, lo, hi, c0, c1, db):
     """acc + sum_i w[i, c] x[i, db:db+16] over i in [lo, hi) outside the shared [c0, c1)."""
     for i in range(lo, min(c0, hi)):
@@ -310,21 +330,13 @@ def dense_fwd_span(q, k, v, p, o, scale, lo, hi, u0, u1):
                 _blocks4(qh, r, kt, ar, er, sb)  # (A1) S = Q K^T
                 for t in range(R):
                     _softmax_row(sb[t], ar[r + t], er[r + t], scale, ph[r + t])  # (A1, A2)
-                o0, o1, o2, o3 = unit_row(ob[i]), unit_row(ob[i + 1]), unit_row(ob[i + 2]), unit_row(ob[i + 3])
-                for db in range(0, dv, W):  # (A3) O = P V
-                    a0, a1, a2, a3 = _rows4(ph, r, vh, ar, er, db)
-                    store16(o0, db, a0, one)
-                    store16(o1, db, a1, one)
-                    store16(o2, db, a2, one)
-                    store16(o3, db, a3, one)
+                _store_rows4(ob, i, ph, r, vh, ar, er, one)  # (A3) O = P V
             for i in range(n4, lq):
                 r = gg * lq + i
                 a, e = ar[r], er[r]
                 _blocks1(qh[r], kt, a, e, sb[0])
                 _softmax_row(sb[0], a, e, scale, ph[r])
-                orow = unit_row(ob[i])
-                for db in range(0, dv, W):
-                    store16(orow, db, _edges(splat16(np.float32(0.0)), ph[r], vh, a, e, e, e, db), one)
+                _store_row1(unit_row(ob[i]), ph[r], vh, a, e, one)
 
 
 @_jit
@@ -368,21 +380,13 @@ def dense_bwd_span(q, k, v, p, do, dq, dk, dv, dl, scale, lo, hi, u0, u1):
                 for t in range(R):
                     _dsoftmax_row(sb[t], ar[r + t], er[r + t], ph[r + t], ds[r + t],
                                   dl[b, hq, i + t] if dl.size else 0.0)
-                d0, d1, d2, d3 = unit_row(dqb[i]), unit_row(dqb[i + 1]), unit_row(dqb[i + 2]), unit_row(dqb[i + 3])
-                for db in range(0, dh, W):  # (A8) dQ = scale dS K (a row with no key: 0)
-                    a0, a1, a2, a3 = _rows4(ds, r, kh, ar, er, db)
-                    store16(d0, db, a0, scale)
-                    store16(d1, db, a1, scale)
-                    store16(d2, db, a2, scale)
-                    store16(d3, db, a3, scale)
+                _store_rows4(dqb, i, ds, r, kh, ar, er, scale)  # (A8) dQ = scale dS K (a row with no key: 0)
             for i in range(n4, lq):
                 r = gg * lq + i
                 a, e = ar[r], er[r]
                 _blocks1(doh[r], vt, a, e, sb[0])
                 _dsoftmax_row(sb[0], a, e, ph[r], ds[r], dl[b, hq, i] if dl.size else 0.0)
-                drow = unit_row(dqb[i])
-                for db in range(0, dh, W):
-                    store16(drow, db, _edges(splat16(np.float32(0.0)), ds[r], kh, a, e, e, e, db), scale)
+                _store_row1(unit_row(dqb[i]), ds[r], kh, a, e, scale)
         for j in range(0, k4, R):  # (A9) dK = scale dS^T Q, (A4) dV = P^T dO: the rows attending each key
             k0, k1, k2, k3 = unit_row(dkh[j]), unit_row(dkh[j + 1]), unit_row(dkh[j + 2]), unit_row(dkh[j + 3])
             for db in range(0, dh, W):

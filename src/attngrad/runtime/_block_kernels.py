@@ -1,11 +1,10 @@
 """The blocks of :func:`attngrad.runtime.products.matmuls` run by a compiled loop, and the
-crew's polling loop (numba; imported only through :func:`attngrad.runtime.fused.block_runner`
-and :mod:`attngrad.runtime.crew`).
+crew's polling loop (numba; imported only through :mod:`attngrad.runtime.crew`).
 
-Each worker makes one call of :func:`gemm_blocks` (a worker of
-:func:`attngrad.runtime.parallel.run_units`) or :func:`run_job` (the caller and the crew's
-members), which takes blocks from a shared counter (an atomic add) until none is left and
-runs each block's products straight on CBLAS (:func:`._tiled_kernels.gemm`'s call).  No
+Each worker (the caller and the crew's members, or the workers of
+:func:`attngrad.runtime.parallel.run_units` where there is no crew) makes one call of
+:func:`run_job`, which takes blocks from the job's counter (an atomic add) until none is
+left and runs each block's products straight on CBLAS (:func:`._tiled_kernels.gemm`'s call).  No
 Python and no GIL between blocks: with the blocks handed out one by one from Python, every
 block took the GIL twice, and two workers queued for it at each block (docs/benchmarks.md,
 the language-model step).  The blocks are those the Python loop ran, each formed alone:
@@ -23,7 +22,7 @@ from numba.extending import intrinsic
 from ._fused_kernels import _jit
 from ._tiled_kernels import _NO_TRANS, _TRANS, _gemm_call
 
-# the columns of a product's row in the table gemm_blocks takes (int64)
+# the columns of a product's row in a job's table of products (int64)
 A, B, C, BIAS, LDA, LDB, LDC, TA, TB, ADD, K, SIZE = range(12)
 N_FIELDS = 12
 # the columns of a block's row: products [G0, G1) of the table, rows [R0, R1) and columns [C0, C1) of C
@@ -44,18 +43,6 @@ def _copy_bytes(typingctx, dst, src, n):
         return context.get_dummy_value()
 
     return sig, codegen
-
-
-@_jit
-def gemm_blocks(blas, prods, blocks, counter):
-    """Blocks of ``blocks`` taken from ``counter`` (int64 (1,), shared by the workers)
-    until none is left, each run by :func:`_block` over ``prods``."""
-    nb = blocks.shape[0]
-    while True:
-        u = _add(counter, 0, 1)  # the next block, taken as one atomic step
-        if u >= nb:
-            return
-        _block(blas, prods, blocks[u])
 
 
 @_jit

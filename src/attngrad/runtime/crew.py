@@ -183,6 +183,18 @@ def stand_down() -> None:
                 crew.box[crew.field(w, "LEAVE")] = 2
 
 
+def job(prods: np.ndarray, table: np.ndarray) -> np.ndarray:
+    """The record :func:`._block_kernels.run_job` takes: where the tables lie, their
+    lengths, and the counters of blocks taken and finished (the caller keeps the tables
+    alive while it runs)."""
+    from . import _block_kernels as k
+
+    rec = np.zeros(k.JOB_FIELDS, dtype=np.int64)
+    rec[k.PRODS], rec[k.N_PRODS] = prods.ctypes.data, prods.shape[0]
+    rec[k.TABLE], rec[k.N_BLOCKS] = table.ctypes.data, table.shape[0]
+    return rec
+
+
 def run(prods: np.ndarray, table: np.ndarray, workers: int) -> bool:
     """The blocks of ``table`` (int64 (nb, 6)) over the products ``prods`` (int64 (np,
     N_FIELDS)) on the calling thread and the crew's members (``workers`` > 1: at least two
@@ -196,12 +208,10 @@ def run(prods: np.ndarray, table: np.ndarray, workers: int) -> bool:
         return False
     k = crew.k
     blas = fused.products()[1]
-    job = np.zeros(k.JOB_FIELDS, dtype=np.int64)
-    job[k.PRODS], job[k.N_PRODS] = prods.ctypes.data, prods.shape[0]
-    job[k.TABLE], job[k.N_BLOCKS] = table.ctypes.data, table.shape[0]
+    rec = job(prods, table)
     with _LOCK:
-        epoch = k.publish(crew.box, job.ctypes.data)
-        crew.pending.append((epoch, (job, prods, table)))  # until no member may read it
+        epoch = k.publish(crew.box, rec.ctypes.data)
+        crew.pending.append((epoch, (rec, prods, table)))  # until no member may read it
         crew.release(epoch)
         idle = [w for w in range(crew.members) if not crew.queued[w]]
         for w in idle:
@@ -211,5 +221,5 @@ def run(prods: np.ndarray, table: np.ndarray, workers: int) -> bool:
         _placement(crew.members + 1, pool)  # the members' threads off the caller's CPU
         for w in idle:
             pool.submit(crew.serve, w, blas)
-    k.run_and_wait(blas, job)
+    k.run_and_wait(blas, rec)
     return True

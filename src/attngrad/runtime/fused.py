@@ -250,22 +250,6 @@ def products():
     return _PRODUCTS
 
 
-_RUNNER = None  # gemm_blocks of :mod:`._block_kernels`
-
-
-def block_runner():
-    """The compiled loop that runs :func:`.products.matmuls`'s blocks on each worker
-    (:func:`._block_kernels.gemm_blocks`), or None where :func:`products` is None."""
-    global _RUNNER
-    if products() is None:
-        return None
-    if _RUNNER is None:
-        from ._block_kernels import gemm_blocks
-
-        _RUNNER = gemm_blocks
-    return _RUNNER
-
-
 _MIN_ROWS_PER_WORKER = 64
 _PARALLEL_MIN_SIZE = 1 << 18  # below this one thread is faster (as core.parallel's)
 

@@ -137,7 +137,7 @@ def _spans(m: int, n: int) -> tuple:
 
 
 def _table(jobs: list, cs: list, keep: list) -> np.ndarray:
-    """The products as :func:`._block_kernels.gemm_blocks` takes them: int64 (len(jobs),
+    """The products as :func:`._block_kernels.run_job` takes them: int64 (len(jobs),
     N_FIELDS), data addresses, row strides in elements, transposes, add, K, item size; a
     strided bias copied (into ``keep``, which the caller holds until the blocks are run)."""
     from . import _block_kernels as bk
@@ -186,10 +186,10 @@ def matmuls(jobs) -> list:
     workers = min(len(blocks), available_cores())
     if crew.run(prods, table, workers):  # the caller and the crew's polling members
         return cs
-    counter = np.zeros(1, dtype=np.int64)  # the next block to take
-    run = fused.block_runner()
-    run_units(lambda _u, _w: run(blas, prods, table, counter), workers, available_cores(),
-              blas=not fused.private_blas())
+    from ._block_kernels import run_job
+
+    rec = crew.job(prods, table)  # each worker takes blocks from its counter
+    run_units(lambda _u, _w: run_job(blas, rec), workers, available_cores(), blas=not fused.private_blas())
     return cs
 
 
