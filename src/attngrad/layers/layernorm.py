@@ -9,7 +9,7 @@ backward:
     dg = sum dy * xhat,  db = sum dy      (N5)
     dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)),  dxhat = dy * g   (N6)
 
-NumPy float32 / float64 with the ``fast`` extra: one compiled pass per row
+NumPy float32 / float64 with the ``fast`` extra: compiled row kernels, four rows at a time
 (:mod:`._layernorm_kernels`, the means in float64).  Otherwise the weight-only layer norm
 of :mod:`.norm` (kind "layer", QN2-QN6: the same maths) with the bias added: one
 implementation of the NumPy / array-API steps for this layer and QK-norm alike.
@@ -102,7 +102,7 @@ def rows_forward(kernel, x, *args):
 
 def rows_backward(kernel, dy, xhat, rstd, g, sums: int):
     """The backward of :func:`rows_forward`: ``kernel(dy_rows, xhat_rows, rstd_rows, g,
-    dx_rows, *accumulators, scratch)`` over fixed spans of GRAD_SPAN_ROWS rows, each span
+    dx_rows, *accumulators, scratch (4, E))`` over fixed spans of GRAD_SPAN_ROWS rows, each span
     with ``sums`` float64 (E,) accumulators of its own, then added in span order (the same
     bits at any number of cores).  Returns dX (..., E) and the (sums, E) float64 totals."""
     e = dy.shape[-1]
@@ -113,7 +113,7 @@ def rows_backward(kernel, dy, xhat, rstd, g, sums: int):
     parts = np.zeros((len(spans), sums, e))  # float64 accumulators per span of rows
 
     def span(i: int, r0: int, r1: int) -> None:
-        kernel(dy2[r0:r1], xh2[r0:r1], rs[r0:r1], g, dx[r0:r1], *parts[i], np.empty(e, dy.dtype))
+        kernel(dy2[r0:r1], xh2[r0:r1], rs[r0:r1], g, dx[r0:r1], *parts[i], np.empty((4, e), dy.dtype))
 
     run_rows(span, spans, dy2.size)
     return dx.reshape(dy.shape), (parts[0] if len(spans) == 1 else parts.sum(axis=0))  # spans in order

@@ -348,10 +348,16 @@ def _sum8_lanes(a, c, b, mode):
     else:
         for j in range(0, n8, 8):
             acc = dot8d(acc, a, b, j)
-    tail = _sum8_tail(a, c, b, mode, n8)  # the last n mod 8 values, in order
+    return tree8(acc) + _sum8_tail(a, c, b, mode, n8)  # the last n mod 8 values, in order
+
+
+@_jit_inline
+def tree8(acc):
+    """The 8 lane partials of :func:`_sum8` added in its fixed tree (its tail is added
+    after); for compiled loops that run several rows' partials at once (the norms' rows)."""
     p0, p1, p2, p3 = lane8d(acc, 0), lane8d(acc, 1), lane8d(acc, 2), lane8d(acc, 3)
     p4, p5, p6, p7 = lane8d(acc, 4), lane8d(acc, 5), lane8d(acc, 6), lane8d(acc, 7)
-    return (((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))) + tail
+    return ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))
 
 
 def _sum8_scalar(a, c, b, mode):
