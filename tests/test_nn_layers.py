@@ -86,6 +86,42 @@ def test_linear():
     assert_fd(grads["W"], fd_vjp(lambda: linear_forward(p, x)[0], p["W"], g))
 
 
+@pytest.mark.parametrize("on_workers", [False, True])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_linear_relu_and_gate_equal_the_separate_layers(on_workers, dtype, monkeypatch):
+    """linear_forward(relu=True) is relu(linear) and linear_backward(gate=r) is the ReLU's
+    backward of dX, bit for bit, whether fused into the products' blocks (on the workers)
+    or run after them; against PyTorch in float64."""
+    from attngrad.runtime import fused, products
+
+    if on_workers:
+        if fused.products() is None:
+            pytest.skip("the compiled loops (numba) are off")
+        monkeypatch.setattr(products, "ALONE_MIN_FLOPS", 0)
+        monkeypatch.setattr(products, "MIN_FLOPS", 0)
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((3, 70, 9)).astype(dtype)
+    p1 = {"W": rng.standard_normal((9, 40)).astype(dtype), "b": rng.standard_normal(40).astype(dtype)}
+    p2 = {"W": rng.standard_normal((40, 9)).astype(dtype)}
+    g = rng.standard_normal((3, 70, 9)).astype(dtype)
+    r, _ = linear_forward(p1, x, relu=True)
+    u, _ = linear_forward(p1, x)
+    r_sep, act = activation_forward(u)
+    assert np.array_equal(r, r_sep) and (r == 0).any()
+    _, c2 = linear_forward(p2, r)
+    du, g2 = linear_backward(g, c2, gate=r)
+    dr, g2_sep = linear_backward(g, c2)
+    assert np.array_equal(du, activation_backward(dr, act)) and np.array_equal(g2["W"], g2_sep["W"])
+    if dtype == np.float64:
+        tx, tw1, tb1, tw2 = t(x), t(p1["W"]), t(p1["b"]), t(p2["W"])
+        tr = torch.relu(tx @ tw1 + tb1)
+        tr.retain_grad()
+        (tr @ tw2).backward(torch.tensor(g))
+        assert rel(r, tr.detach()) <= 1e-12
+        du_t = tr.grad * (tr.detach() > 0)
+        assert rel(du, du_t) <= 1e-10
+
+
 @pytest.mark.parametrize("numpy_only", [False, True])
 def test_layernorm(numpy_only, monkeypatch):
     """The compiled row kernels (the ``fast`` extra) and the NumPy steps alike."""

@@ -292,3 +292,46 @@ def test_small_products_run_as_one_call_of_the_private_blas(dtype, trans_a, tran
     monkeypatch.setattr(fused, "private_blas", lambda: False)
     monkeypatch.setattr(products, "SERIAL_MAX_FLOPS", 1 << 40)
     assert products.serial(a, b, trans_a=trans_a, trans_b=trans_b) is None
+
+
+@compiled
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("trans_b", [False, True])
+@pytest.mark.parametrize(("m", "k", "n"), [(600, 40, 90), (300, 24, 300), (7, 5, 3)])
+def test_relu_and_gate_in_the_blocks_equal_numpy_after_the_product(monkeypatch, dtype, trans_b, m, k, n):
+    """relu=True and gate= run on each block (the feed-forward layer's ReLU and its backward
+    fused into the products): the bits of NumPy's maximum(C, 0) and C * (gate > 0) after the
+    same product, NaN kept, -0 made +0 by the ReLU; a gate with NaN, -0 and +-inf masks as
+    NumPy's comparison does."""
+    monkeypatch.setattr(products, "MIN_FLOPS", 0)
+    rng = np.random.default_rng([m, k, n, trans_b])
+    a, b = _operands(rng, m, k, n, False, trans_b, dtype)
+    a[1, :] = 0.0
+    a[2, 0] = np.nan  # a NaN row of C
+    b[0, 0] = -0.0
+    bias = rng.standard_normal(n).astype(dtype)
+    bias[0] = -0.0
+    gate = rng.standard_normal((m, n)).astype(dtype)
+    gate[0, :3] = (np.nan, -0.0, np.inf)
+    gate[-1, :3] = (0.0, -np.inf, 1e-30)
+    for pooled in (True, False):
+        if not pooled:
+            monkeypatch.setattr(products, "MIN_FLOPS", 1 << 62)  # NumPy's steps (another BLAS's bits)
+        assert products.pooled(a, b, trans_b=trans_b, bias=bias, gate=gate) == pooled
+        plain = products.matmul(a, b, trans_b=trans_b, bias=bias)
+        relu = products.matmul(a, b, trans_b=trans_b, bias=bias, relu=True)
+        assert np.array_equal(relu, np.maximum(plain, 0), equal_nan=True)
+        assert not np.signbit(relu[~np.isnan(relu)]).any() and np.isnan(relu[2]).all()
+        gated = products.matmul(a, b, trans_b=trans_b, bias=bias, gate=gate)
+        want = plain * (gate > 0)
+        assert np.array_equal(gated, want, equal_nan=True)
+        assert np.array_equal(np.signbit(gated), np.signbit(want))
+
+
+@compiled
+def test_a_gate_of_another_shape_or_both_epilogues_are_errors():
+    a, b = np.ones((4, 3), np.float32), np.ones((3, 5), np.float32)
+    with pytest.raises(ValueError, match=r"gate must have shape \(4, 5\); got \(5, 4\)"):
+        products.matmul(a, b, gate=np.ones((5, 4), np.float32))
+    with pytest.raises(ValueError, match="relu=True or a gate, not both"):
+        products.matmul(a, b, relu=True, gate=np.ones((4, 5), np.float32))

@@ -92,7 +92,8 @@ def attn_sublayer_backward(dy, cache: AttnSublayerCache):
 
 
 class FFNSublayerCache(NamedTuple):
-    """Records of LN, two linears, the activation, dropout.  Memory: about 2*B*L*F values."""
+    """Records of LN, two linears, the activation, dropout.  Memory: about 2*B*L*F values
+    (B*L*F with ReLU: its output stands for its input, whose mask it shares)."""
 
     ln: LayerNormCache
     ff1: LinearCache
@@ -103,8 +104,12 @@ class FFNSublayerCache(NamedTuple):
 
 def ffn_sublayer_forward(p_ln, p_ff1, p_ff2, x, spec: BlockSpec, *, seed=None):
     h, ln = layernorm_forward(p_ln, x, eps=spec.eps)  # (TB4) (B, L, E)
-    u, ff1 = linear_forward(p_ff1, h)  # (TB5) (B, L, F)
-    r, act = activation_forward(u, spec.activation)  # (TB5) (B, L, F)
+    if spec.activation == "relu":  # the ReLU in the product's blocks where they run on the workers
+        r, ff1 = linear_forward(p_ff1, h, relu=True)  # (TB5) (B, L, F)
+        act = ActivationCache("relu", r, None)  # its mask [u > 0] is [r > 0]: r stands for u
+    else:
+        u, ff1 = linear_forward(p_ff1, h)  # (TB5) (B, L, F)
+        r, act = activation_forward(u, spec.activation)  # (TB5) (B, L, F)
     f, ff2 = linear_forward(p_ff2, r)  # (TB5) (B, L, E)
     f, drop = dropout_forward(f, spec.dropout, seed)  # (TB6)
     return x + f, FFNSublayerCache(ln, ff1, act, ff2, drop)  # (TB6) (B, L, E)
@@ -113,8 +118,11 @@ def ffn_sublayer_forward(p_ln, p_ff1, p_ff2, x, spec: BlockSpec, *, seed=None):
 def ffn_sublayer_backward(dy, cache: FFNSublayerCache):
     """-> (dx, grads_ln, grads_ff1, grads_ff2)."""
     df = dropout_backward(dy, cache.drop)  # (TB6)
-    dr, g2 = linear_backward(df, cache.ff2)  # (TB5)
-    du = activation_backward(dr, cache.act)  # (TB5)
+    if cache.act.kind == "relu":  # (G2) in the product's blocks where they run on the workers
+        du, g2 = linear_backward(df, cache.ff2, gate=cache.act.x)  # (TB5)
+    else:
+        dr, g2 = linear_backward(df, cache.ff2)  # (TB5)
+        du = activation_backward(dr, cache.act)  # (TB5)
     dh, g1 = linear_backward(du, cache.ff1)  # (TB5)
     dx_ln, g_ln = layernorm_backward(dh, cache.ln)  # (TB4)
     return dy + dx_ln, g_ln, g1, g2  # (TB9)

@@ -13,6 +13,7 @@ the same bits.
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 from llvmlite import ir
 from numba import types
@@ -23,8 +24,10 @@ from ._fused_kernels import _jit
 from ._tiled_kernels import _NO_TRANS, _TRANS, _gemm_call
 
 # the columns of a product's row in a job's table of products (int64)
-A, B, C, BIAS, LDA, LDB, LDC, TA, TB, ADD, K, SIZE = range(12)
-N_FIELDS = 12
+A, B, C, BIAS, LDA, LDB, LDC, TA, TB, ADD, K, SIZE, EPI, GATE, LDG = range(15)
+N_FIELDS = 15
+# a product's epilogue (its EPI column), run on each block of C once the block's product is formed
+NO_EPILOGUE, RELU, RELU_GRAD = 0, 1, 2
 # the columns of a block's row: products [G0, G1) of the table, rows [R0, R1) and columns [C0, C1) of C
 G0, G1, R0, R1, C0, C1 = range(6)
 
@@ -45,13 +48,52 @@ def _copy_bytes(typingctx, dst, src, n):
     return sig, codegen
 
 
+def _pointer_to(dtype):
+    """An intrinsic: an address (int64) as a pointer to ``dtype`` values, for
+    :func:`numba.carray` (the caller keeps the memory alive)."""
+    ptr = types.CPointer(dtype)
+
+    @intrinsic
+    def at(typingctx, addr):
+        if not isinstance(addr, types.Integer):
+            return None
+
+        def codegen(context, builder, signature, args):
+            return builder.inttoptr(args[0], context.get_value_type(ptr))
+
+        return ptr(types.int64), codegen
+
+    return at
+
+
+_f32_at, _f64_at = _pointer_to(types.float32), _pointer_to(types.float64)
+
+
+@numba.njit(nogil=True, cache=True)  # no fast-math: NumPy's bits, signed zeros and NaN included
+def _epilogue(c, g, n, kind):
+    """C (m, >= n) in place, its first n columns: RELU, C <- max(C, 0) as NumPy's
+    ``maximum(C, 0)`` (G1) (NaN kept, -0 to +0); RELU_GRAD, C <- C [G > 0] as the ReLU
+    backward's ``dy * (x > 0)`` (G2), G (m, >= n) the ReLU's output (or input: the same mask)."""
+    zero, one = c.dtype.type(0), c.dtype.type(1)
+    for r in range(c.shape[0]):
+        cr, gr = c[r], g[r]
+        if kind == RELU:
+            for j in range(n):
+                x = cr[j]
+                cr[j] = zero if x <= zero else x  # (G1) (NaN: not <= 0, kept; one select: vectorised)
+        else:
+            for j in range(n):
+                cr[j] = cr[j] * (one if gr[j] > zero else zero)  # (G2)
+
+
 @_jit
 def _block(blas, prods, blk):
     """One block ``blk`` (int64 (6,): G0, G1, R0, R1, C0, C1): the products G0 .. G1 - 1 of
     ``prods`` (int64 (np, N_FIELDS): data addresses of a, b, C and the bias (0: none), row
-    strides in elements, transposes, add, K, the item size) on its rows and columns of C,
-    in order: the bias's rows copied into C first, then C <- op(a) op(b) + beta C, beta = 1
-    where there is a bias or ``add``."""
+    strides in elements, transposes, add, K, the item size, the epilogue, the gate's address
+    and row stride) on its rows and columns of C, in order: the bias's rows copied into C
+    first, then C <- op(a) op(b) + beta C, beta = 1 where there is a bias or ``add``, then
+    the product's epilogue (:func:`_epilogue`) on the block."""
     r0, r1, c0, c1 = blk[R0], blk[R1], blk[C0], blk[C1]
     m, n = r1 - r0, c1 - c0
     if m == 0 or n == 0:
@@ -79,6 +121,14 @@ def _block(blas, prods, blk):
         else:
             _gemm_call(blas[1], blas[2], t_a, t_b, m, n, k, np.float64(1.0), pa, lda, pb, ldb,
                        np.float64(beta), pc, ldc)
+        epi = prods[i, EPI]
+        if epi != NO_EPILOGUE:  # on the block while it is in cache; the gate's matching block
+            pg = (prods[i, GATE] + (r0 * prods[i, LDG] + c0) * sz) if epi == RELU_GRAD else pc
+            ldg = prods[i, LDG] if epi == RELU_GRAD else ldc
+            if sz == 4:
+                _epilogue(numba.carray(_f32_at(pc), (m, ldc)), numba.carray(_f32_at(pg), (m, ldg)), n, epi)
+            else:
+                _epilogue(numba.carray(_f64_at(pc), (m, ldc)), numba.carray(_f64_at(pg), (m, ldg)), n, epi)
 
 
 

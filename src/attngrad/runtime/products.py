@@ -50,11 +50,14 @@ def _blas_operands(a, b) -> bool:
     return a.dtype in _DTYPES and b.dtype == a.dtype and blas_rows(a) and blas_rows(b)
 
 
-def pooled(a, b, out=None, *, trans_a: bool = False, trans_b: bool = False, bias=None) -> bool:
+def pooled(a, b, out=None, *, trans_a: bool = False, trans_b: bool = False, bias=None, gate=None) -> bool:
     """Whether :func:`matmul` runs op(a) op(b) (+ bias) on the workers (else NumPy)."""
     if not _blas_operands(a, b):
         return False
     if bias is not None and (type(bias) is not np.ndarray or bias.dtype != a.dtype or bias.ndim != 1):
+        return False
+    if gate is not None and (type(gate) is not np.ndarray or gate.dtype != a.dtype or gate.ndim != 2
+                             or not blas_rows(gate)):
         return False
     if out is not None and (type(out) is not np.ndarray or out.dtype != a.dtype or not blas_rows(out)
                             or not out.flags.writeable or np.may_share_memory(out, a)
@@ -67,7 +70,10 @@ def pooled(a, b, out=None, *, trans_a: bool = False, trans_b: bool = False, bias
 
 class Product(NamedTuple):
     """One product for :func:`matmuls`: C = op(a) op(b) (+ bias), written to ``out`` if
-    given; with ``add``, C is added to ``out`` (given, no bias) instead."""
+    given; with ``add``, C is added to ``out`` (given, no bias) instead.  Then, on C as it
+    stands: with ``relu``, C <- max(C, 0) (G1); with ``gate`` (C's shape), C <- C [gate > 0]
+    (G2), the ReLU backward where ``gate`` is the ReLU's output.  Each as NumPy's
+    ``maximum(C, 0)`` and ``C * (gate > 0)`` round it: the same bits, fused or not."""
 
     a: np.ndarray
     b: np.ndarray
@@ -76,13 +82,17 @@ class Product(NamedTuple):
     bias: np.ndarray | None = None
     out: np.ndarray | None = None
     add: bool = False
+    relu: bool = False
+    gate: np.ndarray | None = None
 
 
 def _check(job: Product) -> tuple:
     """(M, N) of a product, or ValueError naming the mismatch."""
-    a, b, trans_a, trans_b, bias, out, add = job
+    a, b, trans_a, trans_b, bias, out, add, relu, gate = job
     if add and (out is None or bias is not None):
         raise ValueError("a product with add=True needs out (the array it adds to) and no bias")
+    if relu and gate is not None:
+        raise ValueError("a product takes relu=True or a gate, not both")
     m, k = a.shape[::-1] if trans_a else a.shape
     kb, n = b.shape[::-1] if trans_b else b.shape
     if k != kb:
@@ -91,15 +101,24 @@ def _check(job: Product) -> tuple:
         raise ValueError(f"out must have shape {(m, n)}; got {out.shape}")
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"bias must have shape {(n,)}; got {bias.shape}")
+    if gate is not None and gate.shape != (m, n):
+        raise ValueError(f"gate must have shape {(m, n)}; got {gate.shape}")
     return m, n
 
 
 def _numpy(job: Product):
-    a, b, trans_a, trans_b, bias, out, add = job
+    a, b, trans_a, trans_b, bias, out, add, relu, gate = job
     if add:
-        return np.add(out, np.matmul(a.T if trans_a else a, b.T if trans_b else b), out=out)
-    c = np.matmul(a.T if trans_a else a, b.T if trans_b else b, out=out)
-    return c if bias is None else np.add(c, bias, out=c)
+        c = np.add(out, np.matmul(a.T if trans_a else a, b.T if trans_b else b), out=out)
+    else:
+        c = np.matmul(a.T if trans_a else a, b.T if trans_b else b, out=out)
+        if bias is not None:
+            c = np.add(c, bias, out=c)
+    if relu:
+        c = np.maximum(c, 0, out=c)  # (G1)
+    if gate is not None:
+        c = np.multiply(c, gate > 0, out=c)  # (G2) as the ReLU backward's dy * (x > 0)
+    return c
 
 
 def _groups(jobs: list) -> list:
@@ -151,6 +170,10 @@ def _table(jobs: list, cs: list, keep: list) -> np.ndarray:
         if j.bias is not None:
             keep.append(np.ascontiguousarray(j.bias))
             row[bk.BIAS] = keep[-1].ctypes.data
+        if j.relu:
+            row[bk.EPI] = bk.RELU
+        elif j.gate is not None:
+            row[bk.EPI], row[bk.GATE], row[bk.LDG] = bk.RELU_GRAD, j.gate.ctypes.data, j.gate.strides[0] // sz
     return prods
 
 
@@ -166,7 +189,7 @@ def matmuls(jobs) -> list:
     jobs = [Product(*j) for j in jobs]
     shapes = [_check(j) for j in jobs]
     groups = _groups(jobs)
-    takes = [pooled(j.a, j.b, j.out, trans_a=j.trans_a, trans_b=j.trans_b, bias=j.bias) for j in jobs]
+    takes = [pooled(j.a, j.b, j.out, trans_a=j.trans_a, trans_b=j.trans_b, bias=j.bias, gate=j.gate) for j in jobs]
     if not all(takes):  # each alone, in order: on the workers where pooled takes it, else NumPy
         return [matmuls([j])[0] if t else _numpy(j) for j, t in zip(jobs, takes, strict=True)]
     blas = fused.products()[1]
@@ -230,11 +253,13 @@ def serial(a, b, *, trans_a: bool = False, trans_b: bool = False):
     return c
 
 
-def matmul(a, b, out=None, *, trans_a: bool = False, trans_b: bool = False, bias=None):
+def matmul(a, b, out=None, *, trans_a: bool = False, trans_b: bool = False, bias=None, relu: bool = False,
+           gate=None):
     """C = op(a) op(b) (+ bias), op = the transpose where ``trans_a`` / ``trans_b`` (read
     as a flag, not copied); ``bias`` an optional (N,) row added to every row of C; ``out``
-    an optional (M, N) array to write C into.  Returns C (a new array unless ``out``).
-    Products that :func:`pooled` takes run as CHUNK_ROWS-row blocks on every core, each
-    block's bias rows written first and the product added to them by the GEMM (beta = 1);
-    the rest with NumPy."""
-    return matmuls([Product(a, b, trans_a, trans_b, bias, out)])[0]
+    an optional (M, N) array to write C into; ``relu`` or ``gate`` as :class:`Product`.
+    Returns C (a new array unless ``out``).  Products that :func:`pooled` takes run as
+    CHUNK_ROWS-row blocks on every core, each block's bias rows written first and the
+    product added to them by the GEMM (beta = 1), then the ReLU or gate on the block while
+    it is in cache; the rest with NumPy."""
+    return matmuls([Product(a, b, trans_a, trans_b, bias, out, relu=relu, gate=gate)])[0]
