@@ -10,13 +10,14 @@ loops skip masked keys; BLAS computes every pair, about twice as fast per pair):
 causal language model's heads (docs/benchmarks.md, the language-model step).  Everything
 else takes the NumPy code of :mod:`.dense`.
 
-They run on the calling thread, or split by heads over the tiled path's workers where
-``workers`` is set: :func:`attngrad.core.sdpa.forward` sets it where impl="auto" would
-have run the tiled path (whose sizes the layers' projections follow onto the workers,
-:func:`attngrad.layers.mha_fwd.core_on_pool`).  Below those sizes the layers' products run
-on NumPy's threaded BLAS, and heads handed to the workers beside its spinning threads made
-a two-thread language-model step 1.2x slower (docs/benchmarks.md).  Each head is computed
-alone: the split changes no bit.
+They split by heads over the cores from ROWS_MIN_SIZE logits (:func:`.parallel.row_spans`),
+else run on the calling thread.  ``workers`` tells the layers whether the projections
+beside them run on the tiled path's workers too: :func:`attngrad.core.sdpa.forward` sets it
+where impl="auto" would have run the tiled path (:func:`attngrad.layers.mha_fwd.core_on_pool`);
+below those sizes the layers' products run on NumPy's threaded BLAS.  The heads are split
+there as well: at the default-sized language model's heads (2^20 logits) a two-thread
+step of the decoder was 0.91-0.97x the unsplit one (docs/benchmarks.md).  Each head is
+computed alone: the split changes no bit.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class Rows(NamedTuple):
 
     lo: np.ndarray  # (B|1, Lq) int64: row i of batch row b attends keys lo[b, i] .. hi[b, i]
     hi: np.ndarray  # (B|1, Lq) int64
-    workers: bool = False  # split by heads over the tiled path's workers, else the calling thread
+    workers: bool = False  # the tiled path would have run it: the layers' products run on the workers too
 
 
 def plan(xp, q, prob) -> Rows | None:
@@ -82,11 +83,10 @@ def flat_rows(rows: Rows, prob):
     return flat.reshape(flat.shape[0], 1, 1, flat.shape[1], 1) if flat.any() else None
 
 
-def _run(kernel, heads: int, size: int, workers: bool) -> None:
-    """``kernel(u0, u1)`` over spans of the heads: on the workers (``workers``, where there
-    are several cores and ``size`` values reach ROWS_MIN_SIZE) or the calling thread."""
-    spans = row_spans(heads, size) if workers else [(0, heads)]
-    run_rows(lambda _i, u0, u1: kernel(u0, u1), spans)
+def _run(kernel, heads: int, size: int) -> None:
+    """``kernel(u0, u1)`` over spans of the heads: one per core where there are several
+    and ``size`` values reach ROWS_MIN_SIZE, else one on the calling thread."""
+    run_rows(lambda _i, u0, u1: kernel(u0, u1), row_spans(heads, size))
 
 
 def unit_rows(x):
@@ -113,7 +113,7 @@ def forward(q, k, v, prob, rows: Rows, out=None):
     lo, hi = rows.lo, rows.hi
     scale = q.dtype.type(prob.scale)
     kernel = _fwd()
-    _run(lambda u0, u1: kernel(q, k, v, p, o, scale, lo, hi, u0, u1), B * Hkv, p.size, rows.workers)
+    _run(lambda u0, u1: kernel(q, k, v, p, o, scale, lo, hi, u0, u1), B * Hkv, p.size)
     return p, o
 
 
@@ -128,6 +128,5 @@ def backward(q, k, v, p, do, prob, rows: Rows, dl=None, out=None):
     scale = q.dtype.type(prob.scale)
     kernel = _bwd()
     dl = np.zeros((0, 0, 0)) if dl is None else np.asarray(dl, dtype=np.float64)
-    _run(lambda u0, u1: kernel(q, k, v, p, do, dq, dk, dv, dl, scale, lo, hi, u0, u1), B * Hkv, p.size,
-         rows.workers)
+    _run(lambda u0, u1: kernel(q, k, v, p, do, dq, dk, dv, dl, scale, lo, hi, u0, u1), B * Hkv, p.size)
     return dq, dk, dv
