@@ -112,6 +112,8 @@ def test_linear_relu_and_gate_equal_the_separate_layers(on_workers, dtype, monke
     du, g2 = linear_backward(g, c2, gate=r)
     dr, g2_sep = linear_backward(g, c2)
     assert np.array_equal(du, activation_backward(dr, act)) and np.array_equal(g2["W"], g2_sep["W"])
+    with pytest.raises(ValueError, match=r"gate must have the shape of the layer's input \(3, 70, 40\); got \(3, 40\)"):
+        linear_backward(g, c2, gate=r[:, 0])
     if dtype == np.float64:
         tx, tw1, tb1, tw2 = t(x), t(p1["W"]), t(p1["b"]), t(p2["W"])
         tr = torch.relu(tx @ tw1 + tb1)

@@ -60,9 +60,12 @@ def linear_backward(dy, cache: LinearCache, *, gate=None):
     ``gate``: the output of a ReLU that formed X (..., in), or its input: dX is returned
     times [gate > 0], the ReLU's backward (G2) fused into the product's blocks where it runs
     on the workers, else :func:`.activations.activation_backward`; the same bits either way."""
+    if gate is not None and tuple(gate.shape) != tuple(cache.x.shape):
+        raise ValueError(f"gate must have the shape of the layer's input {tuple(cache.x.shape)}; "
+                         f"got {tuple(gate.shape)}")
     dy2 = dy.reshape(-1, dy.shape[-1])  # (N, out)
     pool = on_workers(cache.x, cache.w)
-    g2 = gate.reshape(-1, gate.shape[-1]) if type(gate) is np.ndarray and gate.shape == cache.x.shape else None
+    g2 = gate.reshape(-1, gate.shape[-1]) if type(gate) is np.ndarray else None
     fused = pool and g2 is not None and products.pooled(dy2, cache.w, trans_b=True, gate=g2)
     dx_job = products.Product(dy2, cache.w, trans_b=True, gate=g2) if fused else (dy2, cache.w, False, True)
     dw, dx = matmuls(np, [weight_grad_product(np, cache.x, dy),  # (F2) dW = X^T dY (in, out)
