@@ -1,7 +1,7 @@
 """Elementwise steps of the language models' feed-forward layers as compiled loops:
-SwiGLU's (LL3, LL4) and the ReLU backward (G2) (optional: numba, the ``fast`` extra;
-imported only through :func:`attngrad.layers.swiglu._kernels` and
-:func:`attngrad.layers.activations._relu_grad_kernel`).
+SwiGLU's (LL3, LL4) (optional: numba, the ``fast`` extra; imported only through
+:func:`attngrad.layers.swiglu._kernels`; the ReLU backward (G2) is
+:func:`attngrad.runtime._block_kernels.relu_grad`, which the products' blocks run too).
 
 The operations of the NumPy code in :mod:`.swiglu`, in the same order and dtype, each
 rounded once (no fast-math: no FMA contraction, no reassociation), so the results are
@@ -32,11 +32,3 @@ def swiglu_grad(dz, a, u, sigma, one, du, da):  # pragma: no cover
         g = dz[i]
         du[i] = g * (ai * s)  # (LL4) dz silu(a)
         da[i] = (g * u[i]) * (s * (one + ai * (one - s)))  # (LL4) dz u silu'(a)
-
-
-@numba.njit(nogil=True, cache=True)
-def relu_grad(dy, x, one, zero, dx):  # pragma: no cover
-    """1-D dy, x, dx of one dtype, ``one``, ``zero`` in it: dx <- dy [x > 0] (G2), as
-    ``dy * (x > 0)`` (the mask cast to 1 or 0 and multiplied: -0 and NaN as NumPy's)."""
-    for i in range(dy.size):
-        dx[i] = dy[i] * (one if x[i] > 0 else zero)  # (G2)

@@ -72,5 +72,6 @@ def activation_backward(dy, cache: ActivationCache):
 
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
-# the compiled ReLU backward (layers/_ffn_kernels.py) while the fused kernels are on, else None
-_relu_grad_kernel = fused.kernel_loader("attngrad.layers._ffn_kernels", "relu_grad")
+# the compiled ReLU backward (runtime/_block_kernels.py, which the products' blocks run too)
+# while the fused kernels are on, else None
+_relu_grad_kernel = fused.kernel_loader("attngrad.runtime._block_kernels", "relu_grad")

@@ -69,21 +69,42 @@ def _pointer_to(dtype):
 _f32_at, _f64_at = _pointer_to(types.float32), _pointer_to(types.float64)
 
 
+@numba.njit(nogil=True, cache=True, inline="always")  # no fast-math: NumPy's bits, signed zeros and NaN
+def _relu_mask(dy, x, one, zero, dx, n):
+    """dx[:n] <- dy[:n] [x[:n] > 0] (G2), as ``dy * (x > 0)`` (the mask cast to 1 or 0 and
+    multiplied: -0 and NaN as NumPy's); dx may be dy."""
+    for i in range(n):
+        dx[i] = dy[i] * (one if x[i] > 0 else zero)  # (G2)
+
+
+@numba.njit(nogil=True, cache=True)
+def relu_grad(dy, x, one, zero, dx):  # pragma: no cover
+    """1-D dy, x, dx of one dtype, ``one``, ``zero`` in it: dx <- dy [x > 0] (G2,
+    :func:`_relu_mask`).  The ReLU backward of :mod:`attngrad.layers.activations`; the
+    products' blocks run the same mask (:func:`_epilogue`)."""
+    _relu_mask(dy, x, one, zero, dx, dy.size)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")  # no fast-math: NumPy's bits, signed zeros and NaN
+def _relu(c, zero, n):
+    """c[:n] <- max(c[:n], 0) (G1) in place, as NumPy's ``maximum(c, 0)`` (NaN kept, -0 to +0)."""
+    for j in range(n):
+        x = c[j]
+        c[j] = zero if x <= zero else x  # (G1) (NaN: not <= 0, kept; one select: vectorised)
+
+
 @numba.njit(nogil=True, cache=True)  # no fast-math: NumPy's bits, signed zeros and NaN included
 def _epilogue(c, g, n, kind):
-    """C (m, >= n) in place, its first n columns: RELU, C <- max(C, 0) as NumPy's
-    ``maximum(C, 0)`` (G1) (NaN kept, -0 to +0); RELU_GRAD, C <- C [G > 0] as the ReLU
-    backward's ``dy * (x > 0)`` (G2), G (m, >= n) the ReLU's output (or input: the same mask)."""
+    """C (m, >= n) in place, its first n columns: RELU, C <- max(C, 0) (G1, :func:`_relu`);
+    RELU_GRAD, C <- C [G > 0] (G2, :func:`_relu_mask`), G (m, >= n) the ReLU's output (or
+    its input: the same mask)."""
     zero, one = c.dtype.type(0), c.dtype.type(1)
     for r in range(c.shape[0]):
-        cr, gr = c[r], g[r]
+        cr = c[r]
         if kind == RELU:
-            for j in range(n):
-                x = cr[j]
-                cr[j] = zero if x <= zero else x  # (G1) (NaN: not <= 0, kept; one select: vectorised)
+            _relu(cr, zero, n)  # (G1)
         else:
-            for j in range(n):
-                cr[j] = cr[j] * (one if gr[j] > zero else zero)  # (G2)
+            _relu_mask(cr, g[r], one, zero, cr, n)  # (G2)
 
 
 @_jit
