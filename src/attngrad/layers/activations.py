@@ -26,7 +26,7 @@ class ActivationCache(NamedTuple):
     """What :func:`activation_backward` needs.  Memory: x, plus tanh(u) for GELU."""
 
     kind: str
-    x: np.ndarray  # (...)  the input, by reference
+    x: np.ndarray  # (...)  the input, by reference (ReLU: or its output, whose mask [x > 0] is the same)
     t: np.ndarray | None  # (...)  tanh(u) for GELU, else None
 
 
