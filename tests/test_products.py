@@ -259,6 +259,79 @@ def test_a_product_added_to_out_needs_its_out_formed_before_it():
     np.testing.assert_array_equal(got, np.full((4, 2), 4.0, np.float32))
 
 
+def _split_at(monkeypatch, k_part: int) -> None:
+    monkeypatch.setattr(products, "K_PART", k_part)
+    monkeypatch.setattr(products, "SPLIT_MAX_SIDE", max(k_part // 4, 1))
+
+
+@compiled
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize(("trans_a", "trans_b"), [(True, False), (False, False), (False, True), (True, True)])
+def test_a_long_sum_into_a_small_c_runs_in_parts_added_in_order(monkeypatch, dtype, trans_a, trans_b):
+    """K >= 2 K_PART into a C of at most SPLIT_MAX_SIDE a side (a weight gradient X^T dY):
+    parts of K_PART terms (the last takes the remainder), one block each, added to C in
+    order; C within a dot product's rounding of float64, bitwise the sum of the parts
+    formed alone, the same for any worker count, written into an ``out`` whose rows lie apart."""
+    monkeypatch.setattr(products, "MIN_FLOPS", 0)
+    _split_at(monkeypatch, 16)
+    rng = np.random.default_rng([5, trans_a, trans_b])
+    m, k, n = 4, 50, 3  # parts [0, 16), [16, 32), [32, 50)
+    a, b = _operands(rng, m, k, n, trans_a, trans_b, dtype)
+    seen = _count_hand_outs(monkeypatch)
+    out = np.full((m, 2 * n), np.nan, dtype)[:, :n]  # rows apart by 2n
+    c = products.matmul(a, b, out, trans_a=trans_a, trans_b=trans_b)
+    assert c is out and seen == [min(3, parallel.available_cores())]  # three blocks, one hand-out
+    eps = np.finfo(dtype).eps
+    bound = (k + 2) * eps * (np.abs(_reference(np.abs(a), np.abs(b), trans_a, trans_b)) + 1)
+    assert np.all(np.abs(c - _reference(a, b, trans_a, trans_b)) <= bound)
+
+    def part(k0, k1):
+        pa = a[k0:k1] if trans_a else a[:, k0:k1]
+        pb = b[:, k0:k1] if trans_b else b[k0:k1]
+        return products.matmul(np.ascontiguousarray(pa), np.ascontiguousarray(pb), trans_a=trans_a, trans_b=trans_b)
+
+    want = part(0, 16)
+    for k0, k1 in ((16, 32), (32, 50)):
+        want = want + part(k0, k1)
+    assert np.ascontiguousarray(c).tobytes() == want.tobytes()
+    for workers in (1, 2, 3):
+        monkeypatch.setattr(products, "available_cores", lambda w=workers: w)
+        again = products.matmul(a, b, trans_a=trans_a, trans_b=trans_b)
+        assert again.tobytes() == want.tobytes()
+
+
+@compiled
+def test_a_sum_in_parts_only_where_k_is_long_and_c_small_and_nothing_is_added(monkeypatch):
+    """No parts for K < 2 K_PART, a C wider than SPLIT_MAX_SIDE, a bias, an epilogue, or a
+    product that another adds to (its group runs block by block): those are one sum, bitwise
+    what the unsplit path gives."""
+    monkeypatch.setattr(products, "MIN_FLOPS", 0)
+    rng = np.random.default_rng(6)
+    x, dy = _operands(rng, 4, 50, 3, True, False, np.float32)
+
+    def unsplit(*jobs):
+        _split_at(monkeypatch, 1 << 40)
+        got = products.matmuls(jobs)
+        _split_at(monkeypatch, 16)
+        return got
+
+    _split_at(monkeypatch, 16)
+    assert products._k_parts(products.Product(x, dy, True)) == [(0, 16), (16, 32), (32, 50)]
+    assert products._k_parts(products.Product(x[:31], dy[:31], True)) == [(0, 31)]  # K < 2 K_PART
+    wide, _ = _operands(rng, 5, 50, 3, True, False, np.float32)
+    assert products._k_parts(products.Product(wide, dy, True)) == [(0, 50)]  # 5 > SPLIT_MAX_SIDE rows
+    bias = rng.standard_normal(3).astype(np.float32)
+    for job in (products.Product(x, dy, True, bias=bias), products.Product(x, dy, True, relu=True),
+                products.Product(x, dy, True, gate=np.ones((4, 3), np.float32))):
+        assert products._k_parts(job) == [(0, 50)]
+        assert products.matmuls([job])[0].tobytes() == unsplit(job)[0].tobytes()
+    out = np.zeros((4, 3), np.float32)
+    jobs = [products.Product(x, dy, True, out=out), products.Product(x, dy, True, out=out, add=True)]
+    got = products.matmuls(jobs)[0].copy()
+    out[:] = 0
+    assert got.tobytes() == unsplit(*jobs)[0].tobytes()
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize(("trans_a", "trans_b"), [(False, False), (True, False), (False, True)])
 def test_small_products_run_as_one_call_of_the_private_blas(dtype, trans_a, trans_b, monkeypatch):

@@ -30,6 +30,9 @@ from .parallel import available_cores, run_units
 CHUNK_ROWS = 256  # rows of C per unit: (1024, 512) x (512, 512) in 4 units
 CHUNK_COLS = 128  # columns of C per unit where C has one block of rows (a weight gradient
 # X^T dY of (E, F): (128, 512) in 4 units, not 1 that leaves every other core idle)
+K_PART = 2048  # a sum over K >= 2 K_PART into a C of at most K_PART / 4 rows and columns (a
+# weight gradient X^T dY over B*L rows) runs as parts of K_PART to K_PART*2 - 1 terms
+SPLIT_MAX_SIDE = K_PART // 4
 MIN_FLOPS = 1 << 26  # 2 M K N below this: NumPy (too small to be worth handing out)
 _DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
@@ -141,6 +144,32 @@ def _inner(job: Product) -> int:
     return job.a.shape[0] if job.trans_a else job.a.shape[1]
 
 
+def _k_parts(job: Product) -> list:
+    """The sum of a product over K as parts [k0, k1) of K_PART to 2 K_PART - 1 terms where
+    K >= 2 K_PART and C is at most SPLIT_MAX_SIDE in each side (no bias, add or epilogue:
+    a weight gradient X^T dY); else one part, the whole sum.  Each part is one block: every
+    core gets one (an E x F weight gradient's C has one block of rows), and no block packs
+    an operand another block packs again (the columns of C in CHUNK_COLS blocks each packed
+    all of X^T: a weight gradient 10-35% slower than one GEMM, docs/benchmarks.md).  Shapes
+    alone decide."""
+    k = _inner(job)
+    m = job.a.shape[1] if job.trans_a else job.a.shape[0]
+    n = job.b.shape[0] if job.trans_b else job.b.shape[1]
+    if (k < 2 * K_PART or max(m, n) > SPLIT_MAX_SIDE or job.bias is not None or job.add or job.relu
+            or job.gate is not None):
+        return [(0, k)]
+    cuts = list(range(0, k - K_PART + 1, K_PART))
+    return [(k0, k1) for k0, k1 in zip(cuts, [*cuts[1:], k], strict=True)]
+
+
+def _part(job: Product, k0: int, k1: int, out) -> Product:
+    """The product over terms [k0, k1) of the sum, written to ``out``: views of a's and b's
+    rows or columns."""
+    a = job.a[k0:k1] if job.trans_a else job.a[:, k0:k1]
+    b = job.b[:, k0:k1] if job.trans_b else job.b[k0:k1]
+    return Product(a, b, job.trans_a, job.trans_b, out=out)
+
+
 def _spans(m: int, n: int) -> tuple:
     """The blocks of an (m, n) C: its rows in CHUNK_ROWS spans, and its columns whole, or
     in CHUNK_COLS spans where the rows make one span.  Shapes alone decide, never a thread
@@ -194,25 +223,44 @@ def matmuls(jobs) -> list:
         return [matmuls([j])[0] if t else _numpy(j) for j, t in zip(jobs, takes, strict=True)]
     blas = fused.products()[1]
     cs = [np.empty(mn, dtype=j.a.dtype) if j.out is None else j.out for j, mn in zip(jobs, shapes, strict=True)]
-    blocks = [(g, *rows, *cols) for g in groups for row_spans, col_spans in [_spans(*shapes[g[0]])]
+    # a sum over a long K in parts (_k_parts), each part a product alone: the first into C,
+    # the others into their own arrays, added to C in order once every block is written
+    runs, sums, whole = [], [], set()  # the products run, (C, the other parts), parts run as one block
+    for g in groups:
+        j, c = jobs[g[0]], cs[g[0]]
+        ks = _k_parts(j) if len(g) == 1 else [(0, 0)]
+        if len(ks) == 1:
+            runs += [jobs[i]._replace(out=cs[i]) for i in g]
+            continue
+        rest = np.empty((len(ks) - 1, *c.shape), dtype=c.dtype)
+        whole.update(range(len(runs), len(runs) + len(ks)))
+        runs += [_part(j, k0, k1, o) for (k0, k1), o in zip(ks, [c, *rest], strict=True)]
+        sums.append((c, rest))
+    if sums:
+        groups = _groups(runs)
+    blocks = [(g, *rows, *cols) for g in groups
+              for row_spans, col_spans in [_spans(*runs[g[0]].out.shape) if g[0] not in whole
+                                           else ([(0, runs[g[0]].out.shape[0])], [(0, runs[g[0]].out.shape[1])])]
               for rows in row_spans for cols in col_spans]  # (products, rows [r0, r1), columns [c0, c1))
     # the costliest blocks first (a weight gradient's block sums over every row of X: many
     # times a row block's work), so that the workers end together on small ones; each block
     # is formed alone, so the order changes no bit
-    inner = {id(g): sum(_inner(jobs[i]) for i in g) for g in groups}  # K summed over a group's products
+    inner = {id(g): sum(_inner(runs[i]) for i in g) for g in groups}  # K summed over a group's products
     blocks.sort(key=lambda blk: -(blk[2] - blk[1]) * (blk[4] - blk[3]) * inner[id(blk[0])])
 
     keep: list = []  # alive until the blocks are run
-    prods = _table(jobs, cs, keep)
+    prods = _table(runs, [r.out for r in runs], keep)
     table = np.array([(g[0], g[-1] + 1, r0, r1, c0, c1) for g, r0, r1, c0, c1 in blocks],
                      dtype=np.int64).reshape(-1, 6)  # products [g0, g1), rows [r0, r1), columns [c0, c1)
     workers = min(len(blocks), available_cores())
-    if crew.run(prods, table, workers):  # the caller and the crew's polling members
-        return cs
-    from ._block_kernels import run_job
+    if not crew.run(prods, table, workers):  # the caller and the crew's polling members, else
+        from ._block_kernels import run_job
 
-    rec = crew.job(prods, table)  # each worker takes blocks from its counter
-    run_units(lambda _u, _w: run_job(blas, rec), workers, available_cores(), blas=not fused.private_blas())
+        rec = crew.job(prods, table)  # each worker takes blocks from its counter
+        run_units(lambda _u, _w: run_job(blas, rec), workers, available_cores(), blas=not fused.private_blas())
+    for c, rest in sums:  # C = part 0 + part 1 + ..., in order
+        for r in rest:
+            np.add(c, r, out=c)
     return cs
 
 
