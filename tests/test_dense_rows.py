@@ -177,9 +177,10 @@ def test_nan_in_a_key_reaches_only_the_rows_that_attend_it(j):
 
 @pytest.mark.parametrize(("batch", "length", "dim", "tiled_sizes"), [(32, 128, 32, True), (64, 64, 16, False)])
 def test_same_bits_on_the_workers(monkeypatch, batch, length, dim, tiled_sizes):
-    """From ROWS_MIN_SIZE logits the heads are split over the cores, at the tiled path's
-    sizes (the char language model's: its projections then run on the workers too) and
-    below them (the default one's); the bits are those of one thread (each head alone)."""
+    """From ROWS_MIN_SIZE logits the heads are split over the cores (SPANS_PER_CORE spans
+    a core, taken from one counter), at the tiled path's sizes (the char language model's:
+    its projections then run on the workers too) and below them (the default one's); the
+    bits are those of one thread (each head alone)."""
     rng = np.random.default_rng(2)
     q, k, v, do = _data(rng, batch, 4, 4, length, length, dim, dim, True)
     assert batch * 4 * length * length >= parallel.ROWS_MIN_SIZE
@@ -190,12 +191,13 @@ def test_same_bits_on_the_workers(monkeypatch, batch, length, dim, tiled_sizes):
     o, cache = sdpa_forward(q, k, v, causal="top_left")
     assert cache.rows is not None and on_workers(cache) == tiled_sizes
     g = sdpa_backward(do, cache)
-    assert split == [2, 2]  # forward and backward, each in two spans of heads
+    spans = 2 * dense_rows.SPANS_PER_CORE
+    assert split == [spans, spans]  # forward and backward, each in SPANS_PER_CORE spans of heads a core
     monkeypatch.setattr(parallel, "available_cores", lambda: 1)
     o1, c1 = sdpa_forward(q, k, v, impl="dense", causal="top_left")
     assert c1.rows is not None and not on_workers(c1)
     g1 = sdpa_backward(do, c1)
-    assert split == [2, 2]  # one thread: no hand-out
+    assert split == [spans, spans]  # one thread: no hand-out
     assert np.array_equal(o, o1) and all(np.array_equal(g[n], g1[n]) for n in "qkv")
 
 

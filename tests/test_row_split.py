@@ -88,3 +88,15 @@ def test_layernorm_backward_has_the_same_bits_split_or_not(monkeypatch):
         out.append((dx, g["g"], g["b"]))
     for a, b in zip(*out, strict=True):
         assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize(("rows", "size", "cores", "per_core", "want"), [
+    (10, 1 << 20, 2, 1, [(0, 5), (5, 10)]),
+    (10, 1 << 20, 2, 4, [(0, 1), (1, 2), (2, 3), (3, 5), (5, 6), (6, 7), (7, 8), (8, 10)]),
+    (3, 1 << 20, 2, 4, [(0, 1), (1, 2), (2, 3)]),  # at most one row a span
+    (10, 1 << 20, 1, 4, [(0, 10)]),  # one core: one span, whatever per_core
+    (10, (1 << 20) - 1, 2, 4, [(0, 10)]),  # below ROWS_MIN_SIZE: one span
+])
+def test_row_spans_cover_the_rows_in_order(monkeypatch, rows, size, cores, per_core, want):
+    monkeypatch.setattr(parallel, "available_cores", lambda: cores)
+    assert parallel.row_spans(rows, size, per_core) == want

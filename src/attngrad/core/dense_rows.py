@@ -83,10 +83,16 @@ def flat_rows(rows: Rows, prob):
     return flat.reshape(flat.shape[0], 1, 1, flat.shape[1], 1) if flat.any() else None
 
 
+SPANS_PER_CORE = 4  # spans of heads a core: where NumPy's BLAS has left a thread spinning
+# on one core, the other takes more spans (the default-sized decoder's two-thread step 2-4 %
+# faster than with one span a core, docs/benchmarks.md)
+
+
 def _run(kernel, heads: int, size: int) -> None:
-    """``kernel(u0, u1)`` over spans of the heads: one per core where there are several
-    and ``size`` values reach ROWS_MIN_SIZE, else one on the calling thread."""
-    run_rows(lambda _i, u0, u1: kernel(u0, u1), row_spans(heads, size))
+    """``kernel(u0, u1)`` over spans of the heads: SPANS_PER_CORE per core where there are
+    several and ``size`` values reach ROWS_MIN_SIZE, taken from one counter; else one on
+    the calling thread."""
+    run_rows(lambda _i, u0, u1: kernel(u0, u1), row_spans(heads, size, SPANS_PER_CORE))
 
 
 def unit_rows(x):

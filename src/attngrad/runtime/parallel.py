@@ -313,12 +313,15 @@ def exp_inplace(a):
 ROWS_MIN_SIZE = 1 << 20
 
 
-def row_spans(rows: int, size: int) -> list:
-    """Spans [r0, r1) of ``rows`` rows for :func:`run_rows`: one per available core where
-    the work has at least ROWS_MIN_SIZE elements (``size``), else one.  For row-local work
-    only (each row alone: a split changes no bit); work with sums across rows takes spans
-    fixed by its shape (:func:`fixed_spans`)."""
-    n = max(1, min(rows, available_cores() if size >= ROWS_MIN_SIZE else 1))
+def row_spans(rows: int, size: int, per_core: int = 1) -> list:
+    """Spans [r0, r1) of ``rows`` rows for :func:`run_rows`: ``per_core`` per available
+    core where there are several and the work has at least ROWS_MIN_SIZE elements
+    (``size``), else one.  Several a core balance the cores where one is slowed (the
+    workers take spans from one counter).  For row-local work only (each row alone: a
+    split changes no bit); work with sums across rows takes spans fixed by its shape
+    (:func:`fixed_spans`)."""
+    cores = available_cores() if size >= ROWS_MIN_SIZE else 1
+    n = max(1, min(rows, cores * per_core if cores > 1 else 1))
     return [(rows * i // n, rows * (i + 1) // n) for i in range(n)]
 
 
