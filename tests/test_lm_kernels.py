@@ -1,6 +1,7 @@
 """The compiled loops of the language models' layers (RoPE's rotation, SwiGLU's
 elementwise steps, the ReLU backward) and the cross-entropy's in-place forward give the bits of the NumPy
-expressions they replace (docs/benchmarks.md, "Language-model training step")."""
+expressions they replace (docs/benchmarks.md, "Language-model training step"); SwiGLU's
+sigmoid, the kernels' own, within 3 ulp of float64."""
 
 import numpy as np
 import pytest
@@ -42,23 +43,47 @@ def test_rope_kernel_bitwise(monkeypatch, dtype, layout, rotary_dim, batch_posit
     assert _same(dx, dx2) and dx.strides == dx2.strides
 
 
+def _sigmoid_reference(a):
+    """1 / (1 + e^-a) in float64 (no code shared with the library), overflow to 0."""
+    with np.errstate(over="ignore"):
+        return 1.0 / (1.0 + np.exp(-a.astype(np.float64)))
+
+
 @needs_numba
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_swiglu_kernels_bitwise(dtype):
-    rng = np.random.default_rng(0)
-    a = (rng.standard_normal((4, 7, 33)) * 30).astype(dtype)
-    a.flat[:4] = [np.nan, np.inf, -np.inf, 0.0]
+@pytest.mark.parametrize("size", [1, 15, 16, 33, 1024 + 37])  # the lanes' blocks of 16, the tail, the blocks of 1024
+def test_swiglu_kernels(dtype, size):
+    """The forward's sigmoid within 3 ulp of float64 (relative, normal values; 0, 1 and NaN
+    where the float64 one rounds there or is NaN), every value bitwise whether the lanes or
+    the scalar tail formed it; z = a sigma u and the backward bitwise the NumPy expressions."""
+    from attngrad.runtime._fused_kernels import vsigmoid
+
+    rng = np.random.default_rng(size)
+    a = (rng.standard_normal(size) * 30).astype(dtype)
+    a[:4][: size] = [np.nan, np.inf, -np.inf, -0.0][: min(size, 4)]
+    if size > 20:
+        a[4:20] = np.linspace(-110, 110, 16)  # past exp's float32 range on both sides, in one block
     u, dz = (rng.standard_normal(a.shape).astype(dtype) for _ in range(2))
+    rows, grad = S._kernels()
+    sig, z = np.empty_like(a), np.empty_like(a)
+    rows(a, u, sig, z)
+    ref = _sigmoid_reference(a)
+    assert np.array_equal(np.isnan(sig), np.isnan(a))
+    tiny = np.finfo(dtype).tiny
+    normal = np.isfinite(ref) & (ref >= tiny)
+    ulp = np.spacing(ref[normal].astype(dtype)).astype(np.float64)
+    assert np.all(np.abs(sig[normal] - ref[normal]) <= 3 * ulp)
+    assert np.all(sig[~normal & ~np.isnan(a)] <= tiny)  # below float's normal range: 0 or a subnormal
+    lone = np.empty_like(a)
+    for i in range(size):  # each value alone: the scalar path
+        vsigmoid(a[i:i + 1], lone[i:i + 1])
+    assert _same(lone, sig)
     with np.errstate(all="ignore"):
-        sig = 0.5 * (1.0 + np.tanh(0.5 * a))  # the expressions the module had
-        assert _same(S.sigmoid(a), sig)
-        prod, grad = S._kernels()
-        z, du, da = (np.empty_like(a) for _ in range(3))
-        prod(a.ravel(), sig.ravel(), u.ravel(), z.reshape(-1))
-        grad(dz.ravel(), a.ravel(), u.ravel(), sig.ravel(), dz.dtype.type(1.0), du.reshape(-1), da.reshape(-1))
         assert _same(z, a * sig * u)
-        assert _same(du.reshape(a.shape), dz * (a * sig))
-        assert _same(da.reshape(a.shape), dz * u * (sig * (1.0 + a * (1.0 - sig))))
+        du, da = np.empty_like(a), np.empty_like(a)
+        grad(dz, a, u, sig, dz.dtype.type(1.0), du, da)
+        assert _same(du, dz * (a * sig))
+        assert _same(da, dz * u * (sig * (1.0 + a * (1.0 - sig))))
 
 
 def _reference_ce(logits, targets, ignore_index, eps):
@@ -134,7 +159,7 @@ def test_relu_backward_kernel_bitwise(dtype):
 @pytest.mark.parametrize("cores", [1, 2, 3])
 def test_swiglu_layer_bitwise_the_numpy_lines_on_any_number_of_cores(monkeypatch, cores):
     """The layer's rows split across the cores (from ROWS_MIN_SIZE values) give the bits of
-    the NumPy expressions on one thread."""
+    the kernels' sigmoid and of the NumPy expressions on one thread."""
     from attngrad.runtime import parallel
 
     rng = np.random.default_rng(4)
@@ -148,7 +173,10 @@ def test_swiglu_layer_bitwise_the_numpy_lines_on_any_number_of_cores(monkeypatch
     _, c = S.swiglu_forward(p, h)
     dh, g = S.swiglu_backward(df, c)
     a, u = c.a, c.u
-    sig = 0.5 * (1.0 + np.tanh(0.5 * a))
+    from attngrad.runtime._fused_kernels import vsigmoid
+
+    sig = np.empty_like(a)
+    vsigmoid(a.reshape(-1), sig.reshape(-1))  # the kernel's sigmoid, one call on one thread
     assert _same(c.sigma, sig)
     assert _same(c.down.x, a * sig * u)
     monkeypatch.setattr(S, "_kernels", lambda: None)  # the NumPy lines, one thread

@@ -74,7 +74,7 @@ def _kernels():
         except ImportError:  # pragma: no cover - numba missing
             _KERNELS = False
         else:
-            _KERNELS = (k.swiglu_product, k.swiglu_grad)
+            _KERNELS = (k.swiglu_rows, k.swiglu_grad)
     return _KERNELS or None
 
 
@@ -106,9 +106,8 @@ def swiglu_forward(params, h):
         sigma, z = np.empty_like(a), np.empty_like(a)
         a2, u2, s2, z2 = (t.reshape(-1, t.shape[-1]) for t in (a, u, sigma, z))  # (N, F) views
 
-        def rows(_i: int, r0: int, r1: int) -> None:
-            sigmoid(a2[r0:r1], out=s2[r0:r1])  # (LL3)
-            k[0](a2[r0:r1].reshape(-1), s2[r0:r1].reshape(-1), u2[r0:r1].reshape(-1), z2[r0:r1].reshape(-1))  # (LL3)
+        def rows(_i: int, r0: int, r1: int) -> None:  # (LL3) sigma = 1 / (1 + e^-a), z = a sigma u
+            k[0](*(t[r0:r1].reshape(-1) for t in (a2, u2, s2, z2)))
 
         run_rows(rows, row_spans(len(a2), a.size))
     else:

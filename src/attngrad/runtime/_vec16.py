@@ -189,6 +189,26 @@ def exp_minus16(typingctx, row, j, c):
 
 
 @intrinsic
+def sigmoid16(typingctx, src, dst, j):
+    """dst[j:j+16] <- 1 / (1 + exp32(-src[j:j+16])), the operations of the scalar
+    :func:`._fused_kernels.sigmoid32`."""
+    if not (_check(src, dst) and isinstance(j, types.Integer)):
+        return None
+    sig = types.void(src, dst, j)
+
+    def codegen(context, builder, signature, args):
+        s, d, jj = args
+        jj = context.cast(builder, jj, signature.args[2], types.intp)
+        ps = _block(context, builder, signature.args[0], s, jj)
+        pd = _block(context, builder, signature.args[1], d, jj)
+        e = _exp16(builder, builder.fneg(builder.load(ps, align=4)))
+        builder.store(builder.fdiv(_const(1.0), builder.fadd(_const(1.0), e)), pd, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
 def dsoftmax16(typingctx, row, prow, j, c):
     """row[j:j+16] <- float32(row[j:j+16] - c) * prow[j:j+16], the difference in float64."""
     if not (_check(row, prow) and isinstance(j, types.Integer) and c == types.float64):
