@@ -24,12 +24,16 @@ def _same(x, y):
 @pytest.mark.parametrize("layout", ["half", "interleaved"])
 @pytest.mark.parametrize("rotary_dim", [None, 4])
 @pytest.mark.parametrize("batch_positions", [False, True])
-@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize("strided", [False, True, "features"])
 def test_rope_kernel_bitwise(monkeypatch, dtype, layout, rotary_dim, batch_positions, strided):
+    """Both compiled loops (rows with adjacent features in vector lanes; any strides) give
+    the NumPy lines' bits."""
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((3, 7, 5, 8) if strided else (3, 5, 7, 8)).astype(dtype)
-    if strided:
+    x = rng.standard_normal((3, 7, 5, 8) if strided is True else (3, 5, 7, 8)).astype(dtype)
+    if strided is True:
         x = np.swapaxes(x, 1, 2)  # (B, H, L, D) view of a (B, L, H, D) buffer, as split_heads gives
+    elif strided == "features":
+        x = np.repeat(x, 2, axis=-1)[..., ::2]  # features two apart: the loop for any strides
     pos = rng.integers(0, 50, (3, 7)) if batch_positions else None
     assert R._kernel() is not None
     y, c = R.rope_forward(x, pos, rotary_dim=rotary_dim, layout=layout)

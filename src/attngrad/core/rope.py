@@ -138,6 +138,9 @@ def _rotate(xp, x, cos, sin, r: int, layout: str):
         out = np.empty_like(x)  # (B, H, L, D) fresh, in x's axis order as the concatenation's
         half, per_b = layout == "half", cos.shape[0] > 1  # (tables per batch row, or one for all)
 
+        if x.strides[-1] == x.itemsize and out.strides[-1] == out.itemsize and _kernel_rows() is not None:
+            kernel = _kernel_rows()  # rows with adjacent elements: the pairs in vector lanes
+
         def rows(_i: int, b0: int, b1: int) -> None:  # batch rows b0 .. b1 - 1, each alone
             t = slice(b0, b1) if per_b else slice(None)
             kernel(x[b0:b1], cos[t], sin[t], r, half, out[b0:b1])  # (R3, R4)
@@ -153,6 +156,7 @@ def _rotate(xp, x, cos, sin, r: int, layout: str):
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 # the compiled rotation (core/_rope_kernels.py) while the fused kernels are on, else None
 _kernel = fused.kernel_loader("attngrad.core._rope_kernels", "rotate")
+_kernel_rows = fused.kernel_loader("attngrad.core._rope_kernels", "rotate_rows")
 
 
 def _compiled(x, cos, sin) -> bool:
