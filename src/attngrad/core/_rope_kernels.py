@@ -44,20 +44,24 @@ def rotate(x, cos, sin, r, half, out):  # pragma: no cover
     one_b = cos.shape[0] == 1
     for b in range(nb):
         bt = 0 if one_b else b
-        for h in range(nh):
-            for l in range(nl):
-                _rotate_row(x[b, h, l], out[b, h, l], cos[bt, 0, l], sin[bt, 0, l], r, half)
+        for l in range(nl):
+            c, s = cos[bt, 0, l], sin[bt, 0, l]
+            for h in range(nh):
+                _rotate_row(x[b, h, l], out[b, h, l], c, s, r, half)
 
 
 @numba.njit(nogil=True, cache=True)
 def rotate_rows(x, cos, sin, r, half, out):  # pragma: no cover
     """:func:`rotate` where x's and out's last axes have adjacent elements (any other
     strides: merged heads): the rows typed as contiguous, so that the pairs' loop runs in
-    vector lanes (the same operations: the same bits)."""
+    vector lanes (the same operations: the same bits).  Both loops take a position's heads
+    one after the other (side by side in merged heads: the char-sized Llama's q 1.0 -> 0.27
+    ms, head by head -> position by position)."""
     nb, nh, nl, _ = x.shape
     one_b = cos.shape[0] == 1
     for b in range(nb):
         bt = 0 if one_b else b
-        for h in range(nh):
-            for l in range(nl):
-                _rotate_row(unit_row(x[b, h, l]), unit_row(out[b, h, l]), cos[bt, 0, l], sin[bt, 0, l], r, half)
+        for l in range(nl):  # positions outer: a position's heads lie side by side in merged heads
+            c, s = cos[bt, 0, l], sin[bt, 0, l]
+            for h in range(nh):
+                _rotate_row(unit_row(x[b, h, l]), unit_row(out[b, h, l]), c, s, r, half)
