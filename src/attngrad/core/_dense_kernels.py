@@ -206,10 +206,11 @@ def _col_heads(w, x, lq, g, c, lo, hi, db):
 
 @_inline
 def _transposed(m, out):
-    """out[:, :n] <- m^T, out[:, n:] <- 0 (m (n, d), out (d, >= n))."""
+    """out[:, :n] <- m^T, out[:, n:] <- 0 (m (n, d) with adjacent elements in its rows,
+    out (d, >= n))."""
     n, d = m.shape
     for j in range(n):
-        mj = m[j]
+        mj = unit_row(m[j])
         for e in range(d):
             out[e, j] = mj[e]
     for e in range(d):
@@ -220,9 +221,12 @@ def _transposed(m, out):
 
 @_inline
 def _gathered(m, out):
-    """out <- m (2-D, any strides), into a C-contiguous buffer."""
+    """out <- m (2-D, adjacent elements in its rows, any row stride: a head of merged
+    heads), into a C-contiguous buffer; the rows typed contiguous, so that each is copied
+    in vector lanes (element by element through the strides, the gathers took a third of
+    the char-sized forward)."""
     for j in range(m.shape[0]):
-        mj, oj = m[j], out[j]
+        mj, oj = unit_row(m[j]), out[j]
         for e in range(m.shape[1]):
             oj[e] = mj[e]
 
