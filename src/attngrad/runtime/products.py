@@ -5,7 +5,8 @@ NumPy's BLAS (OpenBLAS in NumPy's wheels) runs a threaded product on a pool whos
 threads spin for ~0.1 s after it, yielding the core only now and then; the tiled
 attention that follows a projection runs its own workers on those cores, and loses
 them to the spinning threads (docs/benchmarks.md).  :func:`matmul` instead splits C
-into blocks of CHUNK_ROWS rows (and CHUNK_COLS columns where C has few rows), run as
+into blocks of CHUNK_ROWS rows (and CHUNK_COLS columns where C has few rows; a long sum
+into a small C, a weight gradient, into parts of K_PART terms added in order), run as
 single-threaded products of the compiled loops' CBLAS (:mod:`._blas`: MKL with the ``mkl``
 extra, else NumPy's own) by a compiled loop on each worker that takes blocks from a shared
 counter (:mod:`._block_kernels`: no Python between blocks): the caller and the polling
