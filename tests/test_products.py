@@ -316,14 +316,14 @@ def test_a_sum_in_parts_only_where_k_is_long_and_c_small_and_nothing_is_added(mo
         return got
 
     _split_at(monkeypatch, 16)
-    assert products._k_parts(products.Product(x, dy, True)) == [(0, 16), (16, 32), (32, 50)]
-    assert products._k_parts(products.Product(x[:31], dy[:31], True)) == [(0, 31)]  # K < 2 K_PART
+    assert products._k_parts(products.Product(x, dy, True), 4, 3) == [(0, 16), (16, 32), (32, 50)]
+    assert products._k_parts(products.Product(x[:31], dy[:31], True), 4, 3) == [(0, 31)]  # K < 2 K_PART
     wide, _ = _operands(rng, 5, 50, 3, True, False, np.float32)
-    assert products._k_parts(products.Product(wide, dy, True)) == [(0, 50)]  # 5 > SPLIT_MAX_SIDE rows
+    assert products._k_parts(products.Product(wide, dy, True), 5, 3) == [(0, 50)]  # 5 > SPLIT_MAX_SIDE rows
     bias = rng.standard_normal(3).astype(np.float32)
     for job in (products.Product(x, dy, True, bias=bias), products.Product(x, dy, True, relu=True),
                 products.Product(x, dy, True, gate=np.ones((4, 3), np.float32))):
-        assert products._k_parts(job) == [(0, 50)]
+        assert products._k_parts(job, 4, 3) == [(0, 50)]
         assert products.matmuls([job])[0].tobytes() == unsplit(job)[0].tobytes()
     out = np.zeros((4, 3), np.float32)
     jobs = [products.Product(x, dy, True, out=out), products.Product(x, dy, True, out=out, add=True)]

@@ -145,17 +145,14 @@ def _inner(job: Product) -> int:
     return job.a.shape[0] if job.trans_a else job.a.shape[1]
 
 
-def _k_parts(job: Product) -> list:
+def _k_parts(job: Product, m: int, n: int) -> list:
     """The sum of a product over K as parts [k0, k1) of K_PART to 2 K_PART - 1 terms where
     K >= 2 K_PART and C is at most SPLIT_MAX_SIDE in each side (no bias, add or epilogue:
     a weight gradient X^T dY); else one part, the whole sum.  Each part is one block: every
     core gets one (an E x F weight gradient's C has one block of rows), and no block packs
     an operand another block packs again (the columns of C in CHUNK_COLS blocks each packed
-    all of X^T: a weight gradient 10-35% slower than one GEMM, docs/benchmarks.md).  Shapes
-    alone decide."""
+    all of X^T again, docs/benchmarks.md).  (m, n): C's shape.  Shapes alone decide."""
     k = _inner(job)
-    m = job.a.shape[1] if job.trans_a else job.a.shape[0]
-    n = job.b.shape[0] if job.trans_b else job.b.shape[1]
     if (k < 2 * K_PART or max(m, n) > SPLIT_MAX_SIDE or job.bias is not None or job.add or job.relu
             or job.gate is not None):
         return [(0, k)]
@@ -171,10 +168,12 @@ def _part(job: Product, k0: int, k1: int, out) -> Product:
     return Product(a, b, job.trans_a, job.trans_b, out=out)
 
 
-def _spans(m: int, n: int) -> tuple:
+def _spans(m: int, n: int, *, whole: bool = False) -> tuple:
     """The blocks of an (m, n) C: its rows in CHUNK_ROWS spans, and its columns whole, or
-    in CHUNK_COLS spans where the rows make one span.  Shapes alone decide, never a thread
-    count."""
+    in CHUNK_COLS spans where the rows make one span; with ``whole``, one block (a part of
+    a sum, :func:`_k_parts`).  Shapes alone decide, never a thread count."""
+    if whole:
+        return [(0, m)], [(0, n)]
     rows = [(r0, r0 + CHUNK_ROWS) for r0 in range(0, m - CHUNK_ROWS, CHUNK_ROWS)]
     if m:
         rows.append((len(rows) * CHUNK_ROWS, m))
@@ -229,7 +228,7 @@ def matmuls(jobs) -> list:
     runs, sums, whole = [], [], set()  # the products run, (C, the other parts), parts run as one block
     for g in groups:
         j, c = jobs[g[0]], cs[g[0]]
-        ks = _k_parts(j) if len(g) == 1 else [(0, 0)]
+        ks = _k_parts(j, *c.shape) if len(g) == 1 else [(0, 0)]
         if len(ks) == 1:
             runs += [jobs[i]._replace(out=cs[i]) for i in g]
             continue
@@ -240,8 +239,7 @@ def matmuls(jobs) -> list:
     if sums:
         groups = _groups(runs)
     blocks = [(g, *rows, *cols) for g in groups
-              for row_spans, col_spans in [_spans(*runs[g[0]].out.shape) if g[0] not in whole
-                                           else ([(0, runs[g[0]].out.shape[0])], [(0, runs[g[0]].out.shape[1])])]
+              for row_spans, col_spans in [_spans(*runs[g[0]].out.shape, whole=g[0] in whole)]
               for rows in row_spans for cols in col_spans]  # (products, rows [r0, r1), columns [c0, c1))
     # the costliest blocks first (a weight gradient's block sums over every row of X: many
     # times a row block's work), so that the workers end together on small ones; each block
