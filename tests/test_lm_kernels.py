@@ -160,6 +160,28 @@ def test_relu_backward_kernel_bitwise(dtype):
 
 
 @needs_numba
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_relu_forward_kernel_bitwise_numpy_maximum(dtype):
+    """The compiled ReLU forward (and the products' ReLU epilogue, the same rule) gives the
+    bits of NumPy's maximum(x, 0): NaN of either sign kept, -0 and -inf to +0, subnormals
+    kept; lanes and the scalar tail alike (a row of 37)."""
+    from attngrad.runtime import _block_kernels as bk
+
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((4, 37)).astype(dtype)
+    tiny = np.finfo(dtype).smallest_subnormal
+    x.flat[:10] = [np.nan, -np.nan, 0.0, -0.0, np.inf, -np.inf, tiny, -tiny, 1.0, -1.0]
+    x.flat[-3:] = [-0.0, np.nan, tiny]  # in the scalar tail too
+    assert A._relu_kernel() is not None
+    y, _ = A.activation_forward(x, "relu")
+    ref = np.maximum(x, 0)
+    assert _same(y, ref) and np.array_equal(np.signbit(y), np.signbit(ref))
+    c = x.copy()
+    bk._epilogue(c, c, c.shape[1], bk.RELU)
+    assert _same(c, ref) and np.array_equal(np.signbit(c), np.signbit(ref))
+
+
+@needs_numba
 @pytest.mark.parametrize("cores", [1, 2, 3])
 def test_swiglu_layer_bitwise_the_numpy_lines_on_any_number_of_cores(monkeypatch, cores):
     """The layer's rows split across the cores (from ROWS_MIN_SIZE values) give the bits of

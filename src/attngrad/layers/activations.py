@@ -43,7 +43,12 @@ def activation_forward(x, kind: str = "relu"):
         if type(x) is np.ndarray and x.dtype in _FLOATS and x.flags.c_contiguous and x.size:
             y = np.empty_like(x)
             x2, y2 = x.reshape(-1, x.shape[-1]), y.reshape(-1, x.shape[-1])
-            run_rows(lambda _i, r0, r1: np.maximum(x2[r0:r1], 0, out=y2[r0:r1]), row_spans(len(x2), x.size))  # (G1)
+            k, zero = _relu_kernel(), x.dtype.type(0)
+            if k is None:
+                run_rows(lambda _i, r0, r1: np.maximum(x2[r0:r1], 0, out=y2[r0:r1]), row_spans(len(x2), x.size))  # (G1)
+            else:  # the same bits, compiled
+                run_rows(lambda _i, r0, r1: k(x2[r0:r1].reshape(-1), zero, y2[r0:r1].reshape(-1)),
+                         row_spans(len(x2), x.size))  # (G1)
             return y, ActivationCache(kind, x, None)
         return np.maximum(x, 0), ActivationCache(kind, x, None)  # (G1)
     t = np.tanh(_C * (x + _A * x * x * x))  # (G3)
@@ -72,6 +77,7 @@ def activation_backward(dy, cache: ActivationCache):
 
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
-# the compiled ReLU backward (runtime/_block_kernels.py, which the products' blocks run too)
-# while the fused kernels are on, else None
+# the compiled ReLU backward and forward (runtime/_block_kernels.py, whose rules the products'
+# blocks run too) while the fused kernels are on, else None
 _relu_grad_kernel = fused.kernel_loader("attngrad.runtime._block_kernels", "relu_grad")
+_relu_kernel = fused.kernel_loader("attngrad.runtime._block_kernels", "relu")  # (G1), the forward
