@@ -268,12 +268,9 @@ def _softmax_row(sr, a, e, scale, row):
     j0 = a - a % W
     s = sr[j0:(e + W - 1) // W * W]
     n0, n1 = a - j0, e - j0  # the interval within s
-    for j in range(n0):
-        s[j] = -np.inf  # keys of the blocks outside the interval: masked
-    for j in range(n0, n1):
-        s[j] *= scale  # (A1) the scale
-    for j in range(n1, s.shape[0]):
-        s[j] = -np.inf
+    for j in range(s.shape[0]):  # one select a key, stored whole (short loops of -inf alone
+        # became masked stores, vmaskmovps, slow on AMD Zen 3)
+        s[j] = s[j] * scale if n0 <= j < n1 else -np.inf  # (A1) the scale; keys of the blocks outside the interval: masked
     mx = _rowmax(s, s[0])  # (A2) as the fused softmax_rows, on whole blocks (masked: -inf)
     zero = narrow(mx, 0.0)
     z = exp_shift_sum(s, zero if mx == -np.inf else mx, zero)  # +inf or NaN max: a NaN row

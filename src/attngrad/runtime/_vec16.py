@@ -304,6 +304,37 @@ def store16(typingctx, dst, j, acc, w):
 
 
 
+@intrinsic
+def relu16(typingctx, row, j):
+    """row[j:j+16] <- 0 where row <= 0 (-0 included), else row (NaN kept): NumPy's
+    ``maximum(row, 0)`` (G1) in place, as one whole store of a select.  row 1-D contiguous
+    float32 or float64.  Written plainly (from the scalar rule or as a select of the loaded
+    lanes), the store of the kept values is a no-op that LLVM drops, storing the zeros alone
+    as masked stores (``vmaskmovps``), ~8x slower on AMD Zen 3."""
+    if not (isinstance(row, types.Array) and row.ndim == 1 and row.layout == "C"
+            and row.dtype in (types.float32, types.float64) and isinstance(j, types.Integer)):
+        return None
+    sig = types.void(row, j)
+    fty, align = (_F32, 4) if row.dtype == types.float32 else (_F64, 8)
+    vty = ir.VectorType(fty, W)
+
+    def codegen(context, builder, signature, args):
+        r, jj = args
+        jj = context.cast(builder, jj, signature.args[1], types.intp)
+        data = context.make_array(signature.args[0])(context, builder, r).data
+        p = builder.bitcast(builder.gep(data, [jj]), vty.as_pointer())
+        x = builder.load(p, align=align)
+        # a compiler barrier (no instruction): memory may change between the load and the
+        # store, so storing the kept lanes back is no longer a no-op for LLVM to drop
+        barrier = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), "", "~{memory}", side_effect=True)
+        builder.call(barrier, [])
+        zero = ir.Constant(vty, [0.0] * W)
+        builder.store(builder.select(builder.fcmp_ordered("<=", x, zero), zero, x), p, align=align)  # (G1)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 # ---- eight float64 lanes: the norms' float64 row sums (runtime/_fused_kernels.py, _sum8)
 
 _VD8 = ir.VectorType(_F64, 8)
