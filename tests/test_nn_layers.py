@@ -238,6 +238,26 @@ def test_cross_entropy_ignores_padding(smoothing):
     assert cross_entropy_forward(z2, tg, label_smoothing=smoothing)[0] == loss
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_cross_entropy_backward_is_softmax_minus_onehot_scaled_in_its_dtype(dtype):
+    """(X4) without smoothing: (p - 1) s at each target and p s elsewhere (0 on ignored rows),
+    each value as (p - onehot) then the scale s = dloss / n_valid, rounded in the logits'
+    dtype (not a float64 result cast down)."""
+    v = 7
+    z = (3.0 * RNG.standard_normal((B, L, v))).astype(dtype)
+    tg = RNG.integers(1, v, (B, L))
+    tg[1, :2] = 0  # ignored
+    _, c = cross_entropy_forward(z, tg, ignore_index=0)
+    dz = cross_entropy_backward(0.3, c)
+    s = dtype(0.3 / c.n_valid)
+    onehot = np.zeros_like(c.probs)
+    rows = np.flatnonzero(c.valid)
+    onehot[rows, c.targets[rows]] = 1
+    want = ((c.probs - onehot) * s).reshape(z.shape)
+    assert dz.dtype == dtype and np.array_equal(dz, want)
+    assert np.all(dz[1, :2] == 0)
+
+
 def test_cross_entropy_all_ignored_is_zero_not_nan():
     loss, c = cross_entropy_forward(np.ones((1, 3, 4)), np.zeros((1, 3), dtype=np.int64))
     assert loss == 0.0 and np.all(cross_entropy_backward(1.0, c) == 0)
