@@ -408,3 +408,35 @@ def test_a_gate_of_another_shape_or_both_epilogues_are_errors():
         products.matmul(a, b, gate=np.ones((5, 4), np.float32))
     with pytest.raises(ValueError, match="relu=True or a gate, not both"):
         products.matmul(a, b, relu=True, gate=np.ones((4, 5), np.float32))
+
+
+@compiled
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize(("m", "k", "n"), [(4096, 64, 64), (300, 40, 24), (9, 5, 3)])
+def test_with_bias_is_the_product_plus_the_bias(dtype, m, k, n):
+    """products.with_bias (the bias written into C, the GEMM adding to it: NumPy's BLAS from
+    SERIAL_MAX_FLOPS, MKL's sequential layer below where installed): a @ b + bias against
+    float64, a new array, a NaN in the bias kept; the same bits on every call.  (Not across
+    NumPy's BLAS thread counts: OpenBLAS splits rows between its threads where its kernels
+    round them differently, as it does in ``a @ b``; docs/training.md.)"""
+    rng = np.random.default_rng([m, k, n])
+    a, b = _operands(rng, m, k, n, False, False, dtype)
+    bias = rng.standard_normal(n).astype(dtype)
+    bias[0] = np.nan
+    got = products.with_bias(a, b, bias)
+    assert got is not None and got.dtype == dtype and got.shape == (m, n)
+    assert not np.may_share_memory(got, bias) and not np.may_share_memory(got, a)
+    assert np.isnan(got[:, 0]).all()
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    np.testing.assert_allclose(got[:, 1:], _reference(a, b, False, False, bias)[:, 1:], rtol=tol, atol=tol * k)
+    assert np.array_equal(products.with_bias(a, b, bias), got, equal_nan=True)
+
+
+@compiled
+def test_with_bias_declines_what_it_does_not_take():
+    a, b = np.ones((4, 3), np.float32), np.ones((3, 5), np.float32)
+    assert products.with_bias(a, b, np.ones(5, np.float64)) is None  # another dtype: NumPy upcasts
+    assert products.with_bias(a, b, np.ones(4, np.float32)) is None  # a wrong length: NumPy names it
+    assert products.with_bias(a, b[:2], np.ones(5, np.float32)) is None  # inner sizes differ
+    assert products.with_bias(a.astype(np.float16), b.astype(np.float16), np.ones(5, np.float16)) is None
+    assert products.with_bias(a[:, ::2], b[:2], np.ones(5, np.float32)) is None  # a row BLAS cannot read

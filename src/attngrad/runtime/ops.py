@@ -86,6 +86,10 @@ def project(xp, x: Array, w: Array, b: Array | None = None, *, pool: bool = Fals
     x2 = reshape(x, (math.prod(lead), n_in))  # (N, in)
     if pool and products.pooled(x2, w, bias=b):  # the bias added inside each block of rows
         return reshape(products.matmul(x2, w, bias=b), (*lead, w.shape[1]))  # (F1) (..., out)
+    if b is not None and not pool and type(x2) is np.ndarray:
+        y = products.with_bias(x2, w, b)  # the bias written first, the GEMM adding to it
+        if y is not None:
+            return reshape(y, (*lead, w.shape[1]))  # (F1) (..., out)
     y = reshape(matmul(xp, x2, w, pool=pool), (*lead, w.shape[1]))  # (F1) (..., out)
     if b is None:
         return y
