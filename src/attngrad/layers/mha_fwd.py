@@ -126,6 +126,8 @@ def mha_forward(
     pool = core_on_pool(xp, impl, (query.shape[0], H, query.shape[1], key_src.shape[1]), options)
     if pool and sources == ("query", "query", "query"):  # self-attention on the workers
         q, k, v = _project_merged(query, (wq, wk, wv), (bq, bk, bv))  # (M1) (B, L, width) views
+    elif sources == ("query", "query", "query") and _one_product(query, (wq, wk, wv), (bq, bk, bv)):
+        q, k, v = _project_side_by_side(query, (wq, wk, wv), (bq, bk, bv))  # (M1) (B, L, width) views
     else:
         q, k, v = (project(xp, x, w, b, pool=pool) for x, w, b in
                    ((query, wq, bq), (key_src, wk, bk), (value_src, wv, bv)))  # (M1) (B, L, width)
@@ -167,6 +169,29 @@ def _project_merged(x, ws, bs) -> tuple:
     products.matmuls([products.Product(x2, w, bias=b, out=y[:, offs[i]:offs[i + 1]])
                       for i, (w, b) in enumerate(zip(ws, bs, strict=True))])  # (M1)
     y = y.reshape(B, L, offs[-1])
+    return tuple(y[:, :, offs[i]:offs[i + 1]] for i in range(3))
+
+
+def _one_product(x, ws, bs) -> bool:
+    """Whether self-attention's three projections off the workers run as one product
+    (:func:`_project_side_by_side`): NumPy arrays of one float dtype, a 3-D X, and the three
+    biases all given or all absent."""
+    arrays = (x, *ws, *(b for b in bs if b is not None))
+    return (all(type(a) is np.ndarray for a in arrays) and x.ndim == 3 and x.dtype.kind == "f"
+            and all(a.dtype == x.dtype for a in arrays) and len({b is None for b in bs}) == 1)
+
+
+def _project_side_by_side(x, ws, bs) -> tuple:
+    """(M1) for the three projections of one NumPy input X (B, L, E) off the workers: one
+    product X [W_q W_k W_v] (+ [b_q b_k b_v]) into one (B, L, sum widths) array (one BLAS
+    call in place of three, and the biases written before the product adds to them:
+    :func:`attngrad.runtime.ops.project`); the column blocks returned as views (B, L,
+    width), which the attention core reads as merged heads."""
+    widths = [w.shape[1] for w in ws]
+    offs = np.cumsum([0, *widths])
+    w_cat = np.concatenate(ws, axis=1)  # (E, sum widths): small beside the product
+    b_cat = None if bs[0] is None else np.concatenate(bs)  # (sum widths,)
+    y = project(np, x, w_cat, b_cat)  # (M1) (B, L, sum widths), a new array
     return tuple(y[:, :, offs[i]:offs[i + 1]] for i in range(3))
 
 
