@@ -168,8 +168,7 @@ def _project_merged(x, ws, bs) -> tuple:
     x2 = x.reshape(B * L, n_in)  # (B*L, E)
     products.matmuls([products.Product(x2, w, bias=b, out=y[:, offs[i]:offs[i + 1]])
                       for i, (w, b) in enumerate(zip(ws, bs, strict=True))])  # (M1)
-    y = y.reshape(B, L, offs[-1])
-    return tuple(y[:, :, offs[i]:offs[i + 1]] for i in range(3))
+    return _columns(y.reshape(B, L, offs[-1]), widths)
 
 
 def _one_product(x, ws, bs) -> bool:
@@ -187,12 +186,16 @@ def _project_side_by_side(x, ws, bs) -> tuple:
     call in place of three, and the biases written before the product adds to them:
     :func:`attngrad.runtime.ops.project`); the column blocks returned as views (B, L,
     width), which the attention core reads as merged heads."""
-    widths = [w.shape[1] for w in ws]
-    offs = np.cumsum([0, *widths])
     w_cat = np.concatenate(ws, axis=1)  # (E, sum widths): small beside the product
     b_cat = None if bs[0] is None else np.concatenate(bs)  # (sum widths,)
     y = project(np, x, w_cat, b_cat)  # (M1) (B, L, sum widths), a new array
-    return tuple(y[:, :, offs[i]:offs[i + 1]] for i in range(3))
+    return _columns(y, [w.shape[1] for w in ws])
+
+
+def _columns(y, widths) -> tuple:
+    """The column blocks of y (B, L, sum of widths), one per width in order: views (B, L, width)."""
+    offs = np.cumsum([0, *widths])
+    return tuple(y[:, :, offs[i]:offs[i + 1]] for i in range(len(widths)))
 
 
 def core_on_pool(xp, impl, dims: tuple, options: AttentionOptions) -> bool:

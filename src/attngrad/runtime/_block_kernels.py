@@ -101,7 +101,7 @@ def _relu(c, zero, n):
 def relu(x, zero, y):  # pragma: no cover
     """1-D x, y of one dtype, ``zero`` in it: y <- max(x, 0) (G1, :func:`_relu`'s rule: NumPy's
     ``maximum(x, 0)`` bits).  The ReLU forward of :mod:`attngrad.layers.activations` (NumPy's
-    ``maximum`` with a scalar took ~6x as long on AMD Zen 3); the products' blocks run the
+    ``maximum`` with a scalar took 3-4x as long on AMD Zen 3); the products' blocks run the
     same rule (:func:`_epilogue`)."""
     for j in range(x.size):
         v = x[j]
