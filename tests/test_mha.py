@@ -474,3 +474,34 @@ def test_projections_on_the_workers_copy_no_weights(monkeypatch, flavor):
     t_y, t_grads = autograd(params, inputs, kwargs, upstream, allowed)
     assert_close_rel({"Y": y}, {"Y": t_y})
     assert_close_rel(grads, t_grads)
+
+
+@pytest.mark.parametrize("drop", [(), ("b_k",), ("b_q", "b_k", "b_v")])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_self_attention_projections_as_one_product_equal_three(monkeypatch, drop, dtype):
+    """Off the workers, self-attention's Q, K, V come from one product X [W_q W_k W_v] (+ the
+    biases, 0 for an absent one: the decoder has no b_k), as column views of one array;
+    the layer's output and gradients equal those of three separate projections to rounding."""
+    from attngrad.layers import mha_fwd
+
+    rng = np.random.default_rng(7)
+    E, H = 32, 4
+    params = {k: v.astype(dtype) for k, v in init_mha_params(E, H, bias=True, rng=rng).items() if k not in drop}
+    x = rng.standard_normal((3, 17, E)).astype(dtype)
+    dy = rng.standard_normal((3, 17, E)).astype(dtype)
+    calls = []
+    real = mha_fwd._project_side_by_side
+    monkeypatch.setattr(mha_fwd, "_project_side_by_side", lambda *a: calls.append(1) or real(*a))
+    runs = []
+    for one in (True, False):
+        if not one:
+            monkeypatch.setattr(mha_fwd, "_one_product", lambda *a: False)
+        y, cache = mha_forward(params, x, num_heads=H, causal=True)
+        runs.append((y, *mha_backward(dy, cache)))
+    assert calls == [1]  # the first run took the one product, the second the three
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    (y1, in1, g1), (y0, in0, g0) = runs
+    np.testing.assert_allclose(y1, y0, rtol=tol, atol=tol)
+    np.testing.assert_allclose(in1["query"], in0["query"], rtol=tol, atol=tol)
+    for name in g0:
+        np.testing.assert_allclose(g1[name], g0[name], rtol=tol, atol=tol)

@@ -173,21 +173,23 @@ def _project_merged(x, ws, bs) -> tuple:
 
 def _one_product(x, ws, bs) -> bool:
     """Whether self-attention's three projections off the workers run as one product
-    (:func:`_project_side_by_side`): NumPy arrays of one float dtype, a 3-D X, and the three
-    biases all given or all absent."""
+    (:func:`_project_side_by_side`): NumPy arrays of one float dtype and a 3-D X."""
     arrays = (x, *ws, *(b for b in bs if b is not None))
     return (all(type(a) is np.ndarray for a in arrays) and x.ndim == 3 and x.dtype.kind == "f"
-            and all(a.dtype == x.dtype for a in arrays) and len({b is None for b in bs}) == 1)
+            and all(a.dtype == x.dtype for a in arrays))
 
 
 def _project_side_by_side(x, ws, bs) -> tuple:
     """(M1) for the three projections of one NumPy input X (B, L, E) off the workers: one
-    product X [W_q W_k W_v] (+ [b_q b_k b_v]) into one (B, L, sum widths) array (one BLAS
+    product X [W_q W_k W_v] (+ [b_q b_k b_v], 0 for an absent one: a zero of the result
+    may come out +0 for -0) into one (B, L, sum widths) array (one BLAS
     call in place of three, and the biases written before the product adds to them:
     :func:`attngrad.runtime.ops.project`); the column blocks returned as views (B, L,
     width), which the attention core reads as merged heads."""
     w_cat = np.concatenate(ws, axis=1)  # (E, sum widths): small beside the product
-    b_cat = None if bs[0] is None else np.concatenate(bs)  # (sum widths,)
+    b_cat = None  # (sum widths,): zeros for a projection without a bias (the decoder's b_k)
+    if any(b is not None for b in bs):
+        b_cat = np.concatenate([np.zeros(w.shape[1], x.dtype) if b is None else b for w, b in zip(ws, bs, strict=True)])
     y = project(np, x, w_cat, b_cat)  # (M1) (B, L, sum widths), a new array
     return _columns(y, [w.shape[1] for w in ws])
 
