@@ -77,10 +77,11 @@ def _exp16(builder, x):
     return builder.select(builder.fcmp_ordered(">", x, _const(EXP_HI)), _const(float("inf")), y)
 
 
-def _block(context, builder, aty, arr, j):
-    """Pointer to ``arr[j:j + 16]`` (a 1-D float32 array) as ``<16 x float>*``."""
+def _block(context, builder, aty, arr, j, vty=_VF):
+    """Pointer to ``arr[j:j + 16]`` (a 1-D array: float32 by default) as ``<16 x float>*``
+    (``vty*``)."""
     data = context.make_array(aty)(context, builder, arr).data
-    return builder.bitcast(builder.gep(data, [j]), _VF.as_pointer())
+    return builder.bitcast(builder.gep(data, [j]), vty.as_pointer())
 
 
 def _check(*tys):
@@ -321,8 +322,7 @@ def relu16(typingctx, row, j):
     def codegen(context, builder, signature, args):
         r, jj = args
         jj = context.cast(builder, jj, signature.args[1], types.intp)
-        data = context.make_array(signature.args[0])(context, builder, r).data
-        p = builder.bitcast(builder.gep(data, [jj]), vty.as_pointer())
+        p = _block(context, builder, signature.args[0], r, jj, vty)
         x = builder.load(p, align=align)
         # a compiler barrier (no instruction): memory may change between the load and the
         # store, so storing the kept lanes back is no longer a no-op for LLVM to drop

@@ -281,6 +281,13 @@ def alone(m: int, k: int, n: int) -> bool:
 SERIAL_MAX_FLOPS = 1 << 25  # 2 M K N below this: one thread, where a threaded BLAS gains little
 
 
+def _serial_blas(m: int, k: int, n: int) -> bool:
+    """Whether an (m, k) x (k, n) product off the workers runs as one call of MKL's
+    sequential layer (:func:`serial`, :func:`with_bias`): below SERIAL_MAX_FLOPS, where the
+    compiled loops' BLAS is private.  Shapes alone decide."""
+    return k > 0 and 2 * m * k * n < SERIAL_MAX_FLOPS and fused.private_blas()
+
+
 def serial(a, b, *, trans_a: bool = False, trans_b: bool = False):
     """op(a) op(b) as one call of the compiled loops' own BLAS on the calling thread (MKL's
     sequential layer, :func:`.fused.private_blas`), for NumPy float32/float64 products of
@@ -292,7 +299,7 @@ def serial(a, b, *, trans_a: bool = False, trans_b: bool = False):
         return None
     m, k = a.shape[::-1] if trans_a else a.shape
     kb, n = b.shape[::-1] if trans_b else b.shape
-    if k != kb or k == 0 or 2 * m * k * n >= SERIAL_MAX_FLOPS or not fused.private_blas():
+    if k != kb or not _serial_blas(m, k, n):
         return None  # (a mismatch: NumPy names it)
     gemm, blas = fused.products()
     c = np.empty((m, n), dtype=a.dtype)
@@ -318,7 +325,7 @@ def with_bias(a, b, bias):
     kb, n = b.shape
     if k != kb or bias.shape != (n,) or k == 0 or not fused.enabled():
         return None  # (a mismatch: NumPy names it)
-    if 2 * m * k * n < SERIAL_MAX_FLOPS and fused.private_blas():
+    if _serial_blas(m, k, n):
         blas = fused.products()[1]  # MKL's sequential layer, as serial()
     else:
         from ._blas import cblas_gemm
