@@ -11,7 +11,9 @@ attngrad's schedule at each step.  Each text batch is random windows of bytes.
 
 The child process keeps freed memory for reuse, as ``attngrad train`` does
 (:func:`attngrad.runtime.allocator.retain_freed_memory`, glibc's malloc thresholds;
-process-wide, so the PyTorch twin runs with it too).  Timing is round-robin (one step
+process-wide, so the PyTorch twin runs with it too) and shortens the spin of NumPy's
+OpenBLAS threads after a product (:func:`attngrad.runtime.blas_spin.limit_blas_spin`;
+the twin's products do not run on NumPy's BLAS).  Timing is round-robin (one step
 of attngrad, one of PyTorch, repeated), each thread
 count in a fresh child process (OMP/MKL/OpenBLAS threads set before NumPy and torch load,
 the child pinned to that many CPUs: attngrad's attention workers count the CPUs it may
@@ -19,9 +21,9 @@ run on, so without the pin "1 thread" would give its tiled attention every core)
 reported per round: the ratio attngrad / PyTorch (median, min, max over rounds), and
 tokens/s (B x T / median step time) of each, with the load average before and after.
 Each timed step follows ``--settle`` untimed steps (default 1) of the same contender, as in
-its own training loop: threads a contender leaves running after its step (NumPy's
-OpenBLAS spins ~0.1 s after a threaded product; PyTorch's OpenMP threads spin between
-operations) would otherwise slow the other's timed step.
+its own training loop: threads a contender leaves running after its step (PyTorch's
+OpenMP threads spin between operations; NumPy's OpenBLAS threads ~0.1 s after a threaded
+product where their spin is not shortened) would otherwise slow the other's timed step.
 
     python benchmarks/lm_step.py                        # default and char sizes, 1 and 2 threads
     python benchmarks/lm_step.py --sizes tiny --threads 1 --repeats 3 --warmup 1   # a smoke run
@@ -157,8 +159,10 @@ def run_child(args) -> list:
     import torch
 
     from attngrad.runtime.allocator import retain_freed_memory
+    from attngrad.runtime.blas_spin import limit_blas_spin
 
     retain_freed_memory()  # as ``attngrad train`` does (process-wide: the twin gets it too)
+    limit_blas_spin()  # as ``attngrad train`` does (NumPy's OpenBLAS only: not the twin's BLAS)
 
     from attngrad.models import MODELS as M
     from attngrad.train.config import TrainConfig

@@ -9,6 +9,7 @@ from ..layers.activations import ACTIVATIONS
 from ..models import MODELS
 from ..report.run import write_run_report
 from ..runtime.allocator import retain_freed_memory
+from ..runtime.blas_spin import limit_blas_spin
 from ..runtime.parallel import blas_threads
 from ..train.data import TASKS
 from ..train.loop import RESUMABLE, TrainConfig, flat_fields, resolve_resume, stored_config, train
@@ -156,6 +157,7 @@ def run(args) -> int:
     print(f"attngrad train: {cfg.model} on {what}, {cfg.steps} steps, batch {cfg.batch_size}, E={cfg.dim}, "
           f"H={cfg.heads}, {cfg.layers} layers, {cfg.dtype} -> {args.out}")
     retain_freed_memory()  # this process trains: each step's big arrays reuse the last step's pages
+    limit_blas_spin()  # and NumPy's OpenBLAS threads leave the cores between products
     try:
         with blas_threads(args.threads):
             fit = train_dp.rank_train(args) if args.distributed else train  # --distributed: one rank
