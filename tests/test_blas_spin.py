@@ -83,3 +83,13 @@ def test_attngrad_train_shortens_the_spin(monkeypatch, tmp_path):
     monkeypatch.setattr(cli_train, "limit_blas_spin", lambda *a, **k: calls.append((a, k)) or True)
     assert main(["train", "--steps", "1", "--quiet", "--no-plots", "--out", str(tmp_path / "run")]) == 0
     assert calls == [((), {})]
+
+
+def test_does_nothing_where_numpy_has_no_such_openblas(monkeypatch):
+    """NumPy on another BLAS (no CBLAS entry point found): False, and no variable set."""
+    import attngrad.runtime._blas as blas
+
+    monkeypatch.setattr(blas, "cblas_gemm", lambda which=None: None)
+    monkeypatch.delenv("OPENBLAS_THREAD_TIMEOUT", raising=False)
+    assert limit_blas_spin() is False and blas_spin() is None
+    assert "OPENBLAS_THREAD_TIMEOUT" not in os.environ

@@ -21,7 +21,8 @@ decides when an idle thread sleeps.
 Process-wide: ``attngrad train`` calls it; a script running its own training loop may.
 Call it while no other thread is inside NumPy's BLAS (as for ``openblas_set_num_threads``).
 It does nothing, and returns False, where NumPy's BLAS is not an OpenBLAS with those
-entry points (NumPy built against MKL or Accelerate, say).  Child processes inherit the
+entry points and threads of its own (NumPy built against MKL or Accelerate, say, or an
+OpenBLAS on OpenMP's threads).  Child processes inherit the
 variable, so they start their OpenBLAS with the same spin.
 """
 
@@ -35,8 +36,13 @@ SPIN_LOG2 = 18  # 2^18 ticks: about 0.1 ms on a 2.5 GHz time-stamp counter
 LOG2_MIN, LOG2_MAX = 4, 30  # what OpenBLAS accepts (it clamps other values into this range)
 
 
+_PARALLEL = ("openblas_get_parallel", "scipy_openblas_get_parallel64_", "openblas_get_parallel64_")
+_PTHREADS = 1  # openblas_get_parallel: 0 sequential, 1 its own threads (pthreads), 2 OpenMP's
+
+
 def _openblas():
-    """NumPy's OpenBLAS as a ctypes library with the three entry points, or None."""
+    """NumPy's OpenBLAS as a ctypes library with the three entry points, or None (also for
+    an OpenBLAS on OpenMP's threads, which has no spin of its own, or none at all)."""
     from ._blas import cblas_gemm
 
     found = cblas_gemm("numpy")
@@ -48,6 +54,9 @@ def _openblas():
         return None
     names = ("openblas_read_env", "openblas_thread_timeout", "blas_thread_shutdown_")
     if any(getattr(lib, name, None) is None for name in names):
+        return None
+    parallel = next((getattr(lib, name) for name in _PARALLEL if getattr(lib, name, None) is not None), None)
+    if parallel is None or parallel() != _PTHREADS:
         return None
     lib.openblas_thread_timeout.restype = ctypes.c_uint
     return lib
