@@ -33,6 +33,7 @@ import os
 
 ENV = "OPENBLAS_THREAD_TIMEOUT"  # OpenBLAS's spin, log2 of the ticks, read when its threads start
 SPIN_LOG2 = 18  # 2^18 ticks: about 0.1 ms on a 2.5 GHz time-stamp counter
+OPENBLAS_LOG2 = 28  # OpenBLAS's own spin where no variable was read (its THREAD_TIMEOUT)
 LOG2_MIN, LOG2_MAX = 4, 30  # what OpenBLAS accepts (it clamps other values into this range)
 
 
@@ -64,7 +65,7 @@ def _openblas():
 
 def limit_blas_spin(log2_ticks: int = SPIN_LOG2) -> bool:
     """Make NumPy's OpenBLAS threads sleep after 2^``log2_ticks`` ticks without work
-    (``log2_ticks`` an int from 4 to 30; OpenBLAS's own default is 28); returns whether it
+    (``log2_ticks`` an int from 4 to 30; OpenBLAS's own is :data:`OPENBLAS_LOG2`); returns whether it
     was applied (False where NumPy's BLAS is not such an OpenBLAS).  ValueError for
     another ``log2_ticks``."""
     if isinstance(log2_ticks, bool) or not isinstance(log2_ticks, int) or not LOG2_MIN <= log2_ticks <= LOG2_MAX:
@@ -81,11 +82,11 @@ def limit_blas_spin(log2_ticks: int = SPIN_LOG2) -> bool:
 
 
 def blas_spin() -> int | None:
-    """The spin NumPy's OpenBLAS starts its threads with, as log2 of the ticks (28, its
-    default, where no ``OPENBLAS_THREAD_TIMEOUT`` was read); None where NumPy's BLAS is
-    not such an OpenBLAS."""
+    """The spin NumPy's OpenBLAS starts its threads with, as log2 of the ticks
+    (:data:`OPENBLAS_LOG2` where no ``OPENBLAS_THREAD_TIMEOUT`` was read); None where
+    NumPy's BLAS is not such an OpenBLAS."""
     lib = _openblas()
     if lib is None:
         return None
     value = int(lib.openblas_thread_timeout())
-    return 28 if value == 0 else min(max(value, LOG2_MIN), LOG2_MAX)
+    return OPENBLAS_LOG2 if value == 0 else min(max(value, LOG2_MIN), LOG2_MAX)
