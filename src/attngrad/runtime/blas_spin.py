@@ -22,8 +22,8 @@ Process-wide: ``attngrad train`` calls it; a script running its own training loo
 Call it while no other thread is inside NumPy's BLAS (as for ``openblas_set_num_threads``).
 It does nothing, and returns False, where NumPy's BLAS is not an OpenBLAS with those
 entry points and threads of its own (NumPy built against MKL or Accelerate, say, or an
-OpenBLAS on OpenMP's threads).  Child processes inherit the
-variable, so they start their OpenBLAS with the same spin.
+OpenBLAS on OpenMP's threads).  Child processes inherit the variable, so they start their
+OpenBLAS with the same spin.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ _PTHREADS = 1  # openblas_get_parallel: 0 sequential, 1 its own threads (pthread
 
 
 def _openblas():
-    """NumPy's OpenBLAS as a ctypes library with the three entry points, or None (also for
-    an OpenBLAS on OpenMP's threads, which has no spin of its own, or none at all)."""
+    """NumPy's OpenBLAS as a ctypes library, or None: where NumPy's BLAS lacks the three
+    entry points used here, or runs on OpenMP's threads (no spin of its own) or none."""
     from ._blas import cblas_gemm
 
     found = cblas_gemm("numpy")
