@@ -261,8 +261,10 @@ def test_opcheck_with_indices_and_lse_and_varlen():
 
 
 @pytest.mark.slow
-def test_compile_fullgraph_with_topk_and_lse(monkeypatch):
-    monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)
+# torch's own scoped setting: restored exactly on exit (monkeypatch.setattr would delete this
+# alias on undo and break every later torch.compile in the process)
+@torch._inductor.config.patch(force_disable_caches=True)
+def test_compile_fullgraph_with_topk_and_lse():
     q, k, v, sinks, g = make(lq=9, lk=12, seed=13)
     idx = indices(g, 2, 2, 9, 12, 5, "mixed")
 
