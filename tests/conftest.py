@@ -9,8 +9,10 @@ structure from the same data.  The comparison helpers below import nothing from 
 from __future__ import annotations
 
 import os
+import sys
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, settings
 
 # Hypothesis: no deadline (the first call of a test pays for imports), a moderate number
@@ -20,6 +22,24 @@ settings.register_profile(
 )
 settings.register_profile("attngrad-long", deadline=None, max_examples=500)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "attngrad"))
+
+
+@pytest.fixture(autouse=True)
+def _process_state_restored():
+    """Process-wide settings a test or an executed docs page may change (NumPy's print
+    options and error handling, torch's default dtype and thread count) are put back after
+    every test, so that the suite passes in any order (`pytest --random-order`)."""
+    torch = sys.modules.get("torch")
+    saved = (torch.get_default_dtype(), torch.get_num_threads()) if torch is not None else None
+    with np.printoptions(**np.get_printoptions()), np.errstate(**np.geterr()):
+        yield
+    torch = sys.modules.get("torch")
+    if torch is not None and saved is not None:
+        if torch.get_default_dtype() != saved[0]:
+            torch.set_default_dtype(saved[0])
+        if torch.get_num_threads() != saved[1]:
+            torch.set_num_threads(saved[1])
+
 
 REL_TOL = 1e-10  # closed form vs autograd / the reference, float64
 REL_FLOOR = 1e-4  # relative errors are floored at this fraction of the case's largest value
