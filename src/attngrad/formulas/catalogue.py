@@ -198,7 +198,8 @@ def catalogue(flavor: str) -> Catalogue:
         F("(A9)", d("K_h"), Scale(g("s"), e("jd", (d("S_h"), "ij"), (g("Q_h"), "id"))), index="jd", defines=False),
         F("(M5)", d("C"), e("if", (d("Y"), "ie"), (g("W_o"), "fe")), index="if", defines=False),
         F("(M7)", d("W_q"), e("ef", (X, "bie"), (d("Q"), "bif"), batched=False), index="ef", defines=False),
-        F("(M8)", d("X"), _dx_index(flavor, g, d), index="ie", defines=False),
+        # one path (M8) in cross-attention, three (M9) where X feeds Q, K and V
+        F("(M8)" if flavor == "cross" else "(M9)", d("X"), _dx_index(flavor, g, d), index="ie", defines=False),
     ]
     sections = (
         Section("forward", "Forward equations", _FORWARD_INTRO, fwd),

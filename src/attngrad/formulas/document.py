@@ -35,8 +35,9 @@ MASKS_AND_SCALE = {
              "so dS_ij = 0 and rows j of dK, dV (hence of dM through K and V) are 0. The scale s "
              "multiplies dQ and dK (A8, A9) and not dV; s = 1/√D by default.",
     "causal": "The causal structure enters only through 𝓜 in (A2): P_ij = 0 for j > i, so dS is lower "
-              "triangular; query i sends no gradient to later keys and values. A query row with no "
-              "allowed key (possible with Lq > Lk, top-left alignment) has O = 0 and gradient 0. "
+              "triangular; query i sends no gradient to later keys and values. Queries and keys are the "
+              "same positions (Lq = Lk), so every row keeps at least its own key j = i; only key "
+              "padding can empty a row, and such a row has O = 0 and gradient 0. "
               "The scale s multiplies dQ and dK (A8, A9); s = 1/√D by default.",
 }
 
