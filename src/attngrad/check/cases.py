@@ -270,6 +270,16 @@ class Case(NamedTuple):
         )
 
 
+def _key_lengths(rng, b: int, lk: int) -> np.ndarray:
+    """(B,) key lengths of the padding mask: the first sequence full, the others padded at
+    random to 2 .. Lk keys (1 where Lk = 1).  Never 0 nor 1 where Lk allows: a sequence of
+    padding only would check zeros in every row, and a row with one key has a constant
+    softmax (dS = 0).  Rows with nothing to attend are the "random" mask's case (one row)."""
+    key_lengths = rng.integers(min(2, lk), lk + 1, size=b)  # (B,)
+    key_lengths[0] = lk
+    return key_lengths
+
+
 def build_case(flavor: str, cfg: CheckConfig) -> Case:
     """A seeded case of ``flavor`` at the sizes of ``cfg`` (``"self (sdpa)"``: the flavor's
     sdpa-level case of top-k and the lse, :func:`build_sdpa_case`)."""
@@ -287,10 +297,7 @@ def build_case(flavor: str, cfg: CheckConfig) -> Case:
         inputs["M"] = rng.standard_normal((b, lk, e)).astype(dt)
     key_lengths = None
     if "padding" in cfg.masks:
-        # the first sequence is full; the others are padded at random (0 allowed: a
-        # sequence whose keys are all padding gives rows with nothing to attend)
-        key_lengths = rng.integers(0, lk + 1, size=b)
-        key_lengths[0] = lk
+        key_lengths = _key_lengths(rng, b, lk)
     mask = None
     if "random" in cfg.masks:
         mask = rng.random((b, cfg.heads, lq, lk)) < 0.7
@@ -329,8 +336,7 @@ def build_sdpa_case(flavor: str, cfg: CheckConfig) -> Case:
               "v": rng.standard_normal((b, hkv, lk, d)).astype(dt)}
     key_lengths = None
     if "padding" in cfg.masks:
-        key_lengths = rng.integers(0, lk + 1, size=b)
-        key_lengths[0] = lk
+        key_lengths = _key_lengths(rng, b, lk)
     mask = None
     if "random" in cfg.masks:
         mask = rng.random((b, h, lq, lk)) < 0.7
