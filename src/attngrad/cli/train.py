@@ -170,7 +170,7 @@ def run(args) -> int:
         return 1
     if res.checkpoint is None:  # a data-parallel rank other than 0: rank 0 reports
         return 0
-    res.figures.append(write_run_report(args.out))  # the run's page, from the folder alone
+    report = write_run_report(args.out)  # the run's page, from the folder alone
     if cfg.data is not None:
         unit = "byte" if cfg.tokenizer == "bytes" else "token"
         print(f"{describe_text(res.eval, unit)} after {res.step} steps, {res.seconds:.1f} s of training")
@@ -180,5 +180,6 @@ def run(args) -> int:
     print(f"checkpoint: {res.checkpoint}")
     for f in res.figures:
         print(f"figure: {f}")
+    print(f"report: {report}")
     sys.stdout.flush()
     return 0
