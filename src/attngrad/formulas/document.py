@@ -9,6 +9,7 @@ trees, so it cannot miss one), and every notation (∘, rowsum, [A]_h, …) belo
 from __future__ import annotations
 
 from .catalogue import FLAVOR_TITLES, FLAVORS, Catalogue, catalogue
+from .prose_latex import prose_latex, shape_latex
 from .rope_norm import EXTRA, EXTRA_NOTATION
 from .variants import variant_keys
 
@@ -41,18 +42,6 @@ MASKS_AND_SCALE = {
               "The scale s multiplies dQ and dK (A8, A9); s = 1/√D by default.",
 }
 
-_LATEX_PROSE = {
-    "δ": r"$\delta$", "𝓜": r"$\mathcal{M}$", "ᵀ": r"$^{\top}$", "∘": r"$\odot$", "…": r"\dots{}",
-    "−": "-", "√": r"$\surd$", "Σ": r"$\Sigma$", "≤": r"$\le$", "·": r"$\cdot$", "∂": r"$\partial$",
-    "_": r"\_", "^": r"\^{}", "&": r"\&", "%": r"\%", "#": r"\#",
-    "⁰": r"$^0$", "¹": r"$^1$", "²": r"$^2$", "\u0303": r"\~{}", "Δ": r"$\Delta$", "ℓ": r"$\ell$",  # variants
-}
-
-
-def _prose_latex(text: str) -> str:
-    return "".join(_LATEX_PROSE.get(c, c) for c in text)
-
-
 def render(cat: Catalogue, fmt: str) -> str:
     """One flavor's document in ``fmt`` (without the LaTeX preamble)."""
     if fmt not in FORMATS:
@@ -76,12 +65,20 @@ def derive_document(flavor: str = "all", fmt: str = "text", variants=None) -> st
         raise ValueError(f"format must be one of {', '.join(FORMATS)}; got {fmt!r}")
     flavors = keys if keys is not None else FLAVORS if flavor == "all" else (flavor,)
     body = "\n".join(render(catalogue(f), fmt) for f in flavors)
-    if fmt == "latex":
-        return (
-            "\\documentclass{article}\n\\usepackage{amsmath,amssymb}\n"
-            "\\usepackage[margin=2cm]{geometry}\n\\begin{document}\n" + body + "\\end{document}\n"
-        )
-    return body
+    return latex_document(body) if fmt == "latex" else body
+
+
+LATEX_PREAMBLE = (
+    "\\documentclass{article}\n\\usepackage{amsmath,amssymb}\n\\usepackage[margin=2cm]{geometry}\n"
+    "\\usepackage{longtable,array}\n\\setcounter{MaxMatrixCols}{20}\n"
+    "\\setlength{\\emergencystretch}{3em}\n"  # a line of long maths may stretch its spaces, not overflow
+    "\\providecommand{\\llbracket}{[\\![}\\providecommand{\\rrbracket}{]\\!]}\n"  # no stmaryrd in LaTeX base
+)
+
+
+def latex_document(body: str) -> str:
+    """A standalone LaTeX document (pdflatex, texlive-latex-base only) around ``body``."""
+    return LATEX_PREAMBLE + "\\begin{document}\n" + body + "\\end{document}\n"
 
 
 def _title(cat: Catalogue) -> str:
@@ -143,16 +140,21 @@ def _markdown(cat: Catalogue) -> str:
 
 
 def _latex(cat: Catalogue) -> str:
-    out = [f"\\section*{{attngrad derive: {_prose_latex(_title(cat))}}}", ""]
-    out += ["\\subsection*{Symbols}", "Per sequence; shapes of one head where the name has \\_h.", ""]
-    out += ["\\begin{tabular}{lll}"]
-    out += [f"${s.tex}$ & {_prose_latex(s.shape)} & {_prose_latex(s.meaning)} \\\\" for s in cat.symbols.values()]
-    out += ["\\end{tabular}", "", "\\subsection*{Notation}", "\\begin{tabular}{ll}"]
-    out += [f"${t}$ & {_prose_latex(m)} \\\\" for _, t, m in _notation(cat)]
-    out += ["\\end{tabular}"]
+    # tables as longtables of fixed widths: the meanings wrap inside the page, and a long
+    # symbol table breaks across pages
+    out = [f"\\section*{{attngrad derive: {prose_latex(_title(cat))}}}", ""]
+    out += ["\\subsection*{Symbols}", "Per sequence; shapes of one head where the name has the subscript $h$.", ""]
+    out += ["{\\small\\begin{longtable}{@{}>{\\raggedright}p{0.14\\linewidth} "
+            ">{\\raggedright}p{0.2\\linewidth} >{\\raggedright\\arraybackslash}p{0.58\\linewidth}@{}}"]
+    out += [f"${s.tex}$ & {shape_latex(s.shape)} & {prose_latex(s.meaning)} \\\\" for s in cat.symbols.values()]
+    out += ["\\end{longtable}}", "", "\\subsection*{Notation}"]
+    out += ["{\\small\\begin{longtable}{@{}>{\\raggedright}p{0.3\\linewidth} "
+            ">{\\raggedright\\arraybackslash}p{0.64\\linewidth}@{}}"]
+    out += [f"${t}$ & {prose_latex(m)} \\\\" for _, t, m in _notation(cat)]
+    out += ["\\end{longtable}}"]
     for sec in cat.sections:
-        out += ["", f"\\subsection*{{{_prose_latex(sec.title)}}}", _prose_latex(sec.intro)]
+        out += ["", f"\\subsection*{{{prose_latex(sec.title)}}}", prose_latex(sec.intro)]
         out += [f"\\begin{{equation*}} {f.latex()} \\tag*{{{f.tag}}} \\end{{equation*}}" for f in sec.formulas]
     head, notes = _closing(cat)
-    out += ["", f"\\subsection*{{{head}}}", _prose_latex(notes), ""]
+    out += ["", f"\\subsection*{{{head}}}", prose_latex(notes), ""]
     return "\n".join(out)
