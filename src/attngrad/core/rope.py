@@ -87,6 +87,16 @@ def check_base(base) -> float:
     return check_positive(base, "base")
 
 
+def check_frequencies(frequencies, rotary_dim: int | None) -> np.ndarray:
+    """theta_i given explicitly: R/2 finite positive numbers, as a float64 array (R/2,)."""
+    f = np.asarray(frequencies, dtype=np.float64) if not isinstance(frequencies, str) else None
+    if f is None or f.ndim != 1 or f.size == 0 or not np.all(np.isfinite(f)) or np.any(f <= 0):
+        raise ValueError(f"frequencies must be a 1-D sequence of finite positive numbers; got {frequencies!r}")
+    if rotary_dim is not None and 2 * f.size != rotary_dim:
+        raise ValueError(f"frequencies has {f.size} numbers; rotary_dim R={rotary_dim} needs R/2 = {rotary_dim // 2}")
+    return f
+
+
 def check_positions(positions, batch: int, length: int, name: str = "positions") -> np.ndarray:
     """Integer positions of shape (L,) or (B, L) as an int64 NumPy array (None -> 0 .. L-1)."""
     if positions is None:
@@ -107,9 +117,13 @@ def check_positions(positions, batch: int, length: int, name: str = "positions")
 # ---------------------------------------------------------------- angles and rotation
 
 
-def rope_angles(positions: np.ndarray, rotary_dim: int, base: float) -> np.ndarray:
-    """a = p theta (R1), float64, shape (*positions.shape, R/2)."""
-    theta = base ** (-np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)  # (R1) (R/2,)
+def rope_angles(positions: np.ndarray, rotary_dim: int, base: float, frequencies=None) -> np.ndarray:
+    """a = p theta (R1), float64, shape (*positions.shape, R/2); ``frequencies``: the
+    theta_i themselves (R/2,) in place of base^(-2i/R) (a scaled RoPE's, e.g. Llama 3's)."""
+    if frequencies is None:
+        theta = base ** (-np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)  # (R1) (R/2,)
+    else:
+        theta = check_frequencies(frequencies, rotary_dim)  # (R1) (R/2,) given
     return positions.astype(np.float64)[..., None] * theta  # (R1) (L, R/2) or (B, L, R/2)
 
 
@@ -167,13 +181,14 @@ def _compiled(x, cos, sin) -> bool:
             and x.size > 0)
 
 
-def rope_forward(x, positions, *, rotary_dim=None, base=10000.0, layout="half"):
+def rope_forward(x, positions, *, rotary_dim=None, base=10000.0, layout="half", frequencies=None):
     """Rotary position embedding of x (B, H, L, D).  Returns ``(out, cache)``, out like x.
 
     positions: integers, (L,) or (B, L) (None: 0 .. L-1); rotary_dim: even, <= D (default
     D), the features past it pass through; base: the wavelength base (10000 in Llama);
     layout: "half" (GPT-NeoX / Llama rotate-half: pairs (i, i + R/2)) or "interleaved"
-    (GPT-J: pairs (2i, 2i + 1)).  Half-precision inputs are computed in float32.
+    (GPT-J: pairs (2i, 2i + 1)); frequencies: the theta_i of (R1) given (R/2,), in place
+    of base^(-2i/R) (a scaled RoPE).  Half-precision inputs are computed in float32.
     """
     check_array("x", x, 4, "(B, H, L, D)")
     dtype = check_float_dtypes({"x": x})
@@ -184,7 +199,7 @@ def rope_forward(x, positions, *, rotary_dim=None, base=10000.0, layout="half"):
     pos = check_positions(positions, b, length)
     xp = namespace(x)
     cdt = compute_dtype(xp, dtype)
-    a = rope_angles(pos, r, base)  # (R1) (L, R/2) or (B, L, R/2)
+    a = rope_angles(pos, r, base, frequencies)  # (R1) (L, R/2) or (B, L, R/2)
     a = a[None, None] if a.ndim == 2 else a[:, None]  # (1|B, 1, L, R/2)
     cos, sin = (_to(xp, t, cdt, x) for t in (np.cos(a), np.sin(a)))  # (1|B, 1, L, R/2)
     xc = xp.astype(x, cdt, copy=False)
@@ -222,6 +237,7 @@ class RoPE:
 
     q_positions / k_positions: integers, (Lq,) / (Lk,) or (B, Lq) / (B, Lk); None means
     0 .. L-1.  For a decode step against a cached prefix pass q_positions explicitly.
+    frequencies: the theta_i of (R1), R/2 numbers, in place of base^(-2i/R) (None).
     """
 
     base: float = 10000.0
@@ -229,10 +245,13 @@ class RoPE:
     layout: str = "half"
     q_positions: Any = None
     k_positions: Any = None
+    frequencies: Any = None  # theta_i (R/2,), e.g. Llama 3's scaled ones; None: base^(-2i/R)
 
     def __post_init__(self):
         check_base(self.base)
         check_layout(self.layout)
+        if self.frequencies is not None:
+            check_frequencies(self.frequencies, self.rotary_dim)
         if self.rotary_dim is not None:
             check_rotary_dim(self.rotary_dim, None)  # even and >= 2; <= D checked at use
 
@@ -247,7 +266,7 @@ def make_rope(rope) -> RoPE | None:
     if isinstance(rope, RoPE):
         return rope
     if isinstance(rope, dict):
-        known = {"base", "rotary_dim", "layout", "q_positions", "k_positions"}
+        known = {"base", "rotary_dim", "layout", "q_positions", "k_positions", "frequencies"}
         unknown = sorted(set(rope) - known)
         if unknown:
             raise ValueError(f"rope has unknown keys {unknown}; expected some of {sorted(known)}")

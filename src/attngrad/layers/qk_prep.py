@@ -79,7 +79,7 @@ def qk_prep_forward(params, q, k, opts: QKOptions):
         b = q.shape[0]
         qpos = check_positions(r.q_positions, b, q.shape[2], "rope q_positions")  # (Lq,) or (B, Lq)
         kpos = check_positions(r.k_positions, b, k.shape[2], "rope k_positions")  # (Lk,) or (B, Lk)
-        kw = dict(rotary_dim=r.rotary_dim, base=r.base, layout=r.layout)
+        kw = dict(rotary_dim=r.rotary_dim, base=r.base, layout=r.layout, frequencies=r.frequencies)
         q, qr = rope_forward(q, qpos, **kw)  # (QN7) (B, H, Lq, D)
         k, kr = rope_forward(k, kpos, **kw)  # (QN7) (B, Hkv, Lk, D)
     return q, k, QKPrepCache(qn, kn, qr, kr)

@@ -1,13 +1,14 @@
-"""Hugging Face GPT-2 and Llama directories, in and out: ``config.json`` +
-``model.safetensors`` (or shards listed in ``model.safetensors.index.json``), read and
-written with the ``safetensors`` package's NumPy API (no pickle, no torch, no
-transformers needed).
+"""Hugging Face directories in and out: ``config.json`` + ``model.safetensors`` (or shards
+listed in ``model.safetensors.index.json``), read with NumPy alone (:mod:`.safetensors_np`:
+memory-mapped, bfloat16 read as float32; no pickle, no torch, no transformers needed) and
+written with the ``safetensors`` package (:mod:`.hf_write`).
 
-    model = load_pretrained("path/to/gpt2-dir")        # GPT2LMHeadModel or LlamaForCausalLM weights
-    logits = model.logits(ids)                         # (B, L, V), transformers' logits
-    save_pretrained("out-dir", model.kind, model.config, model.params)
+    model = load_pretrained("path/to/dir")        # GPT-2, Llama (2, 3), Qwen2, Qwen3, Mistral
+    logits = model.logits(ids)                    # (B, L, V), transformers' logits
+    model.save_pretrained("out-dir")              # config.json written back, same logits
 
-The weights map one to one (no arithmetic but transposes and a split):
+The config fields each architecture sets are mapped in :mod:`.hf_config`.  The weights map
+one to one (no arithmetic but transposes and a split):
 
 GPT-2 (Conv1D weights are (in, out), as attngrad's)   attngrad (models/gpt2.py)
     wte.weight, wpe.weight                            wte.W, wpe.W
@@ -18,46 +19,56 @@ GPT-2 (Conv1D weights are (in, out), as attngrad's)   attngrad (models/gpt2.py)
     h.{i}.mlp.c_fc.{weight,bias}, c_proj              h.{i}.ff1.{W,b}, h.{i}.ff2.{W,b}
     ln_f.{weight,bias}; lm_head.weight when untied    ln_f.{g,b}; out.W = lm_head.weight^T
 
-Llama (nn.Linear weights are (out, in): transposed)   attngrad (models/llama.py)
+Llama, Qwen2, Qwen3, Mistral (nn.Linear weights are (out, in): transposed)   (models/llama.py)
     model.embed_tokens.weight                         emb.W
     model.layers.{i}.input_layernorm.weight           layers.{i}.attn_norm.g
     model.layers.{i}.self_attn.{q,k,v,o}_proj.weight  layers.{i}.attn.W_{q,k,v,o} (transposed)
+    model.layers.{i}.self_attn.{q,k,v,o}_proj.bias    layers.{i}.attn.b_{q,k,v,o} (Qwen2: q k v)
+    model.layers.{i}.self_attn.{q,k}_norm.weight      layers.{i}.attn.{q,k}_norm_w (Qwen3)
     model.layers.{i}.post_attention_layernorm.weight  layers.{i}.ffn_norm.g
     model.layers.{i}.mlp.{gate,up,down}_proj.weight   layers.{i}.ffn.W_{gate,up,down} (transposed)
     model.norm.weight; lm_head.weight when untied     norm.g; out.W = lm_head.weight^T
 
-Hugging Face's Llama q_proj / k_proj rows are already in the rotate-half order of its RoPE,
-which is attngrad's ``rope_layout="half"``: no permutation.  Anything this module cannot
-reproduce exactly (another architecture, attention or MLP biases in Llama, RoPE scaling,
-exact-erf GELU, GPT-2's scaled or upcast attention variants, a tensor of the wrong shape, a
-missing file) is refused with a ValueError naming it.  Writing goes to a temporary folder
+Hugging Face's q_proj / k_proj rows are already in the rotate-half order of its RoPE, which
+is attngrad's ``rope_layout="half"``: no permutation.  Anything this module cannot
+reproduce exactly (another architecture, MLP biases, another RoPE scaling, exact-erf GELU,
+GPT-2's scaled or upcast attention variants, a tensor of the wrong shape, a missing or
+truncated file) is refused with a ValueError naming it.  Writing goes to a temporary folder
 beside the destination, renamed into place once complete: never a half-written directory.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from . import gpt2, llama
-from .gpt2 import GPT2Config
-from .llama import LlamaConfig
+from .hf_config import ARCHITECTURES, KINDS, config_from_hf, module_of
+from .safetensors_np import load_file
 
-KINDS = ("gpt2", "llama")
-ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
 _GPT2_BUFFERS = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers of old GPT-2 files
-_GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")
+
+__all__ = [
+    "ARCHITECTURES",
+    "KINDS",
+    "PretrainedModel",
+    "load_pretrained",
+    "param_shapes",
+    "params_from_hf",
+    "read_config",
+    "read_tensors",
+    "save_pretrained",
+]
 
 
 def _safetensors():
     try:
         import safetensors.numpy as st
     except ImportError:
-        raise ImportError("Hugging Face directories need the safetensors package: "
+        raise ImportError("writing Hugging Face directories needs the safetensors package: "
                           "pip install 'attngrad[hf]'") from None
     return st
 
@@ -65,7 +76,9 @@ def _safetensors():
 # ---------------------------------------------------------------- reading
 
 
-def _read_config(path: Path) -> dict:
+def read_config(path) -> dict:
+    """The contents of ``path/config.json`` (ValueError naming the file otherwise)."""
+    path = Path(path)
     if not path.exists():
         raise ValueError(f"{path}: no such folder; expected a Hugging Face model directory "
                          "(config.json + model.safetensors)")
@@ -85,18 +98,19 @@ def _read_config(path: Path) -> dict:
     return cfg
 
 
-def _read_tensors(path: Path) -> dict:
-    """name -> ndarray from model.safetensors, or from the shards of its index."""
-    st = _safetensors()
+def read_tensors(path) -> dict:
+    """name -> ndarray from ``path/model.safetensors``, or from the shards of its index
+    (memory-mapped; bfloat16 as float32)."""
+    path = Path(path)
     single, index = path / "model.safetensors", path / "model.safetensors.index.json"
     if single.is_file():
         files = [single]
     elif index.is_file():
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
+            files = [path / name for name in sorted(set(weight_map.values()))]
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"{index}: not a safetensors index ({exc!r})") from None
-        files = [path / name for name in sorted(set(weight_map.values()))]
         for f in files:
             if not f.is_file():
                 raise ValueError(f"{f}: missing (listed in {index.name})")
@@ -107,91 +121,16 @@ def _read_tensors(path: Path) -> dict:
         raise ValueError(f"{single}: missing; expected the weights in safetensors format{extra}")
     tensors = {}
     for f in files:
-        try:
-            tensors.update(st.load_file(str(f)))
-        except Exception as exc:  # the package's own error types: a corrupt or unsupported file
-            raise ValueError(f"{f}: cannot read it as safetensors with NumPy ({_one_line(exc)}); "
-                             "bfloat16 weights have no NumPy dtype: save them as float32 first") from None
+        tensors.update(load_file(f))
     return tensors
 
 
-def _one_line(exc) -> str:
-    return " ".join(str(exc).split())
-
-
-def _get(cfg: dict, source: Path, key: str, default=None, *, kind=int):
-    v = cfg.get(key, default)
-    if v is None:
-        raise ValueError(f"{source / 'config.json'}: {key} is missing")
-    if kind is int and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-        raise ValueError(f"{source / 'config.json'}: {key} must be a positive integer; got {v!r}")
-    if kind is float and (isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v <= 0):
-        raise ValueError(f"{source / 'config.json'}: {key} must be a positive number; got {v!r}")
-    return v
-
-
-def _require(cfg: dict, source: Path, key: str, allowed, default) -> None:
-    v = cfg.get(key, default)
-    if v not in allowed:
-        raise ValueError(f"{source / 'config.json'}: {key}={v!r} is not supported (attngrad "
-                         f"reproduces {' or '.join(map(repr, allowed))} only)")
-
-
-def _kind(cfg: dict, source: Path) -> str:
-    mt = cfg.get("model_type")
-    if mt in KINDS:
-        return mt
-    arch = cfg.get("architectures") or []
-    raise ValueError(f"{source / 'config.json'}: model_type {mt!r} (architectures {arch}) is not "
-                     "GPT-2 or Llama; attngrad reads model_type 'gpt2' or 'llama' only")
+# the names this module had before read_config / read_tensors were public
+_read_config, _read_tensors = read_config, read_tensors
 
 
 def _config_from_hf(cfg: dict, source: Path, dtype: str):
-    kind = _kind(cfg, source)
-    tie = cfg.get("tie_word_embeddings", True)
-    if not isinstance(tie, bool):
-        raise ValueError(f"{source / 'config.json'}: tie_word_embeddings must be true or false; got {tie!r}")
-    if kind == "gpt2":
-        _require(cfg, source, "activation_function", _GELU_TANH, "gelu_new")
-        _require(cfg, source, "scale_attn_weights", (True,), True)
-        _require(cfg, source, "scale_attn_by_inverse_layer_idx", (False,), False)
-        _require(cfg, source, "reorder_and_upcast_attn", (False,), False)
-        _require(cfg, source, "add_cross_attention", (False,), False)
-        e = _get(cfg, source, "n_embd")
-        inner = cfg.get("n_inner")
-        return kind, GPT2Config(
-            vocab=_get(cfg, source, "vocab_size"), dim=e, heads=_get(cfg, source, "n_head"),
-            ffn=4 * e if inner is None else _get(cfg, source, "n_inner"), layers=_get(cfg, source, "n_layer"),
-            positions=_get(cfg, source, "n_positions", 1024),
-            eps=float(_get(cfg, source, "layer_norm_epsilon", 1e-5, kind=float)), tie_embeddings=tie,
-            dtype=dtype)
-    _require(cfg, source, "hidden_act", ("silu",), "silu")
-    _require(cfg, source, "attention_bias", (False,), False)
-    _require(cfg, source, "mlp_bias", (False,), False)
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    if not isinstance(rope, dict):
-        raise ValueError(f"{source / 'config.json'}: rope_parameters must be an object; got {rope!r}")
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"{source / 'config.json'}: rope_type {rope_type!r} (RoPE scaling) is not "
-                         "supported; attngrad reproduces the default RoPE only")
-    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    e, h = _get(cfg, source, "hidden_size"), _get(cfg, source, "num_attention_heads")
-    head_dim = cfg.get("head_dim")
-    if head_dim is not None and e % h == 0 and head_dim != e // h:
-        raise ValueError(f"{source / 'config.json'}: head_dim={head_dim} differs from "
-                         f"hidden_size / num_attention_heads = {e // h}; attngrad needs them equal")
-    kv = cfg.get("num_key_value_heads")
-    try:
-        mcfg = LlamaConfig(
-            vocab=_get(cfg, source, "vocab_size"), dim=e, heads=h,
-            kv_heads=None if kv is None else _get(cfg, source, "num_key_value_heads"),
-            ffn=_get(cfg, source, "intermediate_size"), layers=_get(cfg, source, "num_hidden_layers"),
-            tie_embeddings=tie, rope_base=float(theta),
-            eps=float(_get(cfg, source, "rms_norm_eps", 1e-6, kind=float)), dtype=dtype)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"{source / 'config.json'}: {exc}") from None
-    return kind, mcfg
+    return config_from_hf(cfg, source, dtype)
 
 
 def _hf_names(kind: str, mcfg) -> dict:
@@ -216,11 +155,17 @@ def _hf_names(kind: str, mcfg) -> dict:
             names["out.W"] = ("lm_head.weight", "T")
         return names
     names["emb.W"] = ("model.embed_tokens.weight", "")
+    biased = {None: "", "qkv": "qkv", "qkvo": "qkvo"}[mcfg.attn_bias]
     for i in range(mcfg.layers):
         a, o = f"layers.{i}.", f"model.layers.{i}."
         names[a + "attn_norm.g"] = (o + "input_layernorm.weight", "")
         for w in "qkvo":
             names[a + f"attn.W_{w}"] = (o + f"self_attn.{w}_proj.weight", "T")
+            if w in biased:
+                names[a + f"attn.b_{w}"] = (o + f"self_attn.{w}_proj.bias", "")
+        if mcfg.qk_norm is not None:
+            for w in "qk":
+                names[a + f"attn.{w}_norm_w"] = (o + f"self_attn.{w}_norm.weight", "")
         names[a + "ffn_norm.g"] = (o + "post_attention_layernorm.weight", "")
         for w in ("gate", "up", "down"):
             names[a + f"ffn.W_{w}"] = (o + f"mlp.{w}_proj.weight", "T")
@@ -246,6 +191,7 @@ def params_from_hf(kind: str, mcfg, tensors: dict, source="the weights") -> dict
     def label(hf):  # the name as the file spells it
         return hf if hf == "lm_head.weight" else prefix + hf
 
+    kind = module_of(kind)
     expected = param_shapes(kind, mcfg)
     names = _hf_names(kind, mcfg)
     used = {hf for hf, _ in names.values()}
@@ -255,12 +201,13 @@ def params_from_hf(kind: str, mcfg, tensors: dict, source="the weights") -> dict
     if missing:
         raise ValueError(f"{source}: tensor {label(missing[0])!r} is missing"
                          + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
-                         + f"; expected a {ARCHITECTURES[kind]} with the sizes of its config.json")
+                         + "; expected the tensors of the model its config.json describes")
     unexpected = sorted(set(tensors) - used - ({"lm_head.weight"} if kind == "llama" and mcfg.tie_embeddings else set()))
     if unexpected:
         raise ValueError(f"{source}: unexpected tensor {label(unexpected[0])!r}"
                          + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
-                         + f"; not part of a {ARCHITECTURES[kind]} attngrad can reproduce")
+                         + "; not part of the model its config.json describes (attngrad reproduces "
+                         "that model exactly, or refuses it)")
     out = {}
     for name, (hf, how) in names.items():
         t = np.asarray(tensors[hf])
@@ -291,7 +238,7 @@ def param_shapes(kind: str, mcfg) -> dict:
     """attngrad parameter name -> shape of the ``kind`` model ``mcfg`` (no arrays made)."""
     e, f, v = mcfg.dim, mcfg.ffn, mcfg.vocab
     shapes = {}
-    if kind == "gpt2":
+    if module_of(kind) == "gpt2":
         shapes.update({"wte.W": (v, e), "wpe.W": (mcfg.positions, e), "ln_f.g": (e,), "ln_f.b": (e,)})
         for i in range(mcfg.layers):
             a = f"h.{i}."
@@ -301,7 +248,7 @@ def param_shapes(kind: str, mcfg) -> dict:
                 shapes[a + f"attn.W_{w}"] = (e, e)
             shapes.update({a + "ff1.W": (e, f), a + "ff1.b": (f,), a + "ff2.W": (f, e)})
     else:
-        d = e // mcfg.heads
+        d = mcfg.head
         q, kv = mcfg.heads * d, mcfg.num_kv_heads * d
         shapes.update({"emb.W": (v, e), "norm.g": (e,)})
         for i in range(mcfg.layers):
@@ -309,6 +256,10 @@ def param_shapes(kind: str, mcfg) -> dict:
             shapes.update({a + "attn_norm.g": (e,), a + "ffn_norm.g": (e,), a + "attn.W_q": (e, q),
                            a + "attn.W_k": (e, kv), a + "attn.W_v": (e, kv), a + "attn.W_o": (q, e),
                            a + "ffn.W_gate": (e, f), a + "ffn.W_up": (e, f), a + "ffn.W_down": (f, e)})
+            if mcfg.attn_bias is not None:
+                shapes.update({a + "attn.b_q": (q,), a + "attn.b_k": (kv,), a + "attn.b_v": (kv,)})
+                if mcfg.attn_bias == "qkvo":
+                    shapes[a + "attn.b_o"] = (e,)
             if mcfg.qk_norm is not None:
                 shapes.update({a + "attn.q_norm_w": (d,), a + "attn.k_norm_w": (d,)})
     if not mcfg.tie_embeddings:
@@ -321,17 +272,20 @@ def param_shapes(kind: str, mcfg) -> dict:
 
 @dataclass
 class PretrainedModel:
-    """A GPT-2 or Llama model read from (or to be written as) a Hugging Face directory.
+    """A model read from (or to be written as) a Hugging Face directory.
 
-    ``kind``: "gpt2" or "llama"; ``config``: :class:`~attngrad.models.gpt2.GPT2Config` or
-    :class:`~attngrad.models.llama.LlamaConfig`; ``params``: attngrad's parameters (the
-    names of :func:`attngrad.models.gpt2.init` / :func:`attngrad.models.llama.init`);
-    ``source``: the folder read, or None."""
+    ``kind``: its model_type, one of :data:`KINDS` ("gpt2", "llama", "qwen2", "qwen3",
+    "mistral"); ``config``: :class:`~attngrad.models.gpt2.GPT2Config` (gpt2) or
+    :class:`~attngrad.models.llama.LlamaConfig` (the others); ``params``: attngrad's
+    parameters (the names of :func:`attngrad.models.gpt2.init` /
+    :func:`attngrad.models.llama.init`); ``source``: the folder read, or None;
+    ``hf_config``: the source's config.json (written back by :meth:`save_pretrained`)."""
 
     kind: str
     config: object
     params: dict
     source: Path | None = None
+    hf_config: dict | None = None
 
     @property
     def module(self):
@@ -355,23 +309,38 @@ class PretrainedModel:
         return self.module.forward(self.params, self.config, ids)[0]
 
     def save_pretrained(self, out, *, dtype: str = "float32", extra_files=()) -> Path:
-        """Write this model as a Hugging Face directory (see :func:`save_pretrained`)."""
-        return save_pretrained(out, self.kind, self.config, self.params, dtype=dtype, extra_files=extra_files)
+        """Write this model as a Hugging Face directory (see :func:`save_pretrained`); a
+        model read from a directory writes its config.json back, and copies its tokenizer
+        and generation files."""
+        if self.source is not None:
+            extra_files = [*source_files(self.source), *extra_files]
+        return save_pretrained(out, self.kind, self.config, self.params, dtype=dtype, extra_files=extra_files,
+                               base_config=self.hf_config)
+
+
+# what a model directory holds besides its weights and config.json, copied along with them
+SOURCE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def source_files(path) -> list:
+    """The files of :data:`SOURCE_FILES` that directory ``path`` holds."""
+    return [Path(path) / n for n in SOURCE_FILES if (Path(path) / n).is_file()]
 
 
 def load_pretrained(path, *, dtype: str = "float64") -> PretrainedModel:
-    """A Hugging Face GPT-2 or Llama directory (``config.json`` + ``model.safetensors``)
-    as an attngrad model whose ``.logits(ids)`` are transformers' logits for the same
-    weights.  ``dtype``: "float64" (default) or "float32", the parameters' dtype.
-    ValueError naming the file, option or tensor for anything it cannot reproduce."""
+    """A Hugging Face GPT-2, Llama (2 or 3), Qwen2, Qwen3 or Mistral directory
+    (``config.json`` + ``model.safetensors``, float32, float64, float16 or bfloat16) as an
+    attngrad model whose ``.logits(ids)`` are transformers' logits for the same weights.
+    ``dtype``: "float64" (default) or "float32", the parameters' dtype.  ValueError naming
+    the file, option or tensor for anything it cannot reproduce."""
     if dtype not in ("float32", "float64"):
         raise ValueError(f"dtype must be 'float32' or 'float64'; got {dtype!r}")
     source = Path(path)
-    hf = _read_config(source)
-    kind, mcfg = _config_from_hf(hf, source, dtype)
-    tensors = _read_tensors(source)
+    hf = read_config(source)
+    kind, mcfg = config_from_hf(hf, source, dtype)
+    tensors = read_tensors(source)
     params = params_from_hf(kind, mcfg, tensors, source=str(source))
-    return PretrainedModel(kind, mcfg, params, source)
+    return PretrainedModel(kind, mcfg, params, source, hf)
 
 
 from .hf_write import save_pretrained  # noqa: E402  (writing: its own module)

@@ -97,8 +97,9 @@ class KVCache:
         h, _ = layernorm_forward(sub(p, "dec.ln."), x[None])  # (N1-N4) (1, n, E)
         return linear_forward(sub(p, "out."), h)[0][0]  # (F1) (n, V)
 
-    def _attend(self, i: int, q, k, v, heads: int, kv_heads: int):
-        """q (H, n, D) of the new positions; k, v (Hkv, n, D) appended to layer i's cache."""
+    def _attend(self, i: int, q, k, v, heads: int, kv_heads: int, window=None):
+        """q (H, n, D) of the new positions; k, v (Hkv, n, D) appended to layer i's cache;
+        ``window`` (left, None): a query sees keys at most ``left`` positions back."""
         self.k[i] = k if self.k[i] is None else np.concatenate([self.k[i], k], axis=1)  # (Hkv, Lk, D)
         self.v[i] = v if self.v[i] is None else np.concatenate([self.v[i], v], axis=1)
         K, V = self.k[i], self.v[i]
@@ -107,7 +108,10 @@ class KVCache:
         qg = q.reshape(kv_heads, g * n, d)  # query head h = kv * g + j serves kv head kv
         s = (qg @ K.transpose(0, 2, 1)).reshape(kv_heads, g, n, lk) * np.asarray(1.0 / math.sqrt(d), q.dtype)
         qpos = lk - n + np.arange(n)  # the new positions, causal over the cache
-        s = np.where(np.arange(lk)[None, :] <= qpos[:, None], s, -np.inf)  # (A1) causal
+        allowed = np.arange(lk)[None, :] <= qpos[:, None]  # (A1) causal (n, Lk)
+        if window is not None:
+            allowed &= np.arange(lk)[None, :] >= qpos[:, None] - window[0]  # (V5) sliding window
+        s = np.where(allowed, s, -np.inf)  # (A1)
         s = s - s.max(axis=-1, keepdims=True)
         e = np.exp(s)
         prob = e / e.sum(axis=-1, keepdims=True)  # (A2)
@@ -134,15 +138,17 @@ class KVCache:
         a = sub(p, "attn.")
         hkv = m.num_kv_heads
         h = rmsnorm_forward(sub(p, "attn_norm."), x[None], eps=m.eps)[0][0]  # (LL1) (n, E)
-        q = _heads(h @ a["W_q"], m.heads)[None]  # (M1) (1, H, n, D)
-        k = _heads(h @ a["W_k"], hkv)[None]  # (1, Hkv, n, D)
-        v = _heads(h @ a["W_v"], hkv)
+        q = _heads(_proj(h, a["W_q"], a.get("b_q")), m.heads)[None]  # (M1) (1, H, n, D)
+        k = _heads(_proj(h, a["W_k"], a.get("b_k")), hkv)[None]  # (1, Hkv, n, D)
+        v = _heads(_proj(h, a["W_v"], a.get("b_v")), hkv)
         if m.qk_norm is not None:  # (QN7) norm, then RoPE
             q = norm_forward(q, a["q_norm_w"], kind=m.qk_norm, eps=m.eps)[0]
             k = norm_forward(k, a["k_norm_w"], kind=m.qk_norm, eps=m.eps)[0]
-        q = rope_forward(q, pos, base=m.rope_base, layout=m.rope_layout)[0][0]  # (R1-R4) (H, n, D)
-        k = rope_forward(k, pos, base=m.rope_base, layout=m.rope_layout)[0][0]
-        c = self._attend(i, q, k, v, m.heads, hkv)
-        x = x + c @ a["W_o"]  # (LL1) (n, E)
+        r = m.rope
+        kw = dict(base=r.base, layout=r.layout, frequencies=r.frequencies)  # (LL7) scaled or not
+        q = rope_forward(q, pos, **kw)[0][0]  # (R1-R4) (H, n, D)
+        k = rope_forward(k, pos, **kw)[0][0]
+        c = self._attend(i, q, k, v, m.heads, hkv, m.layer_window(i))
+        x = x + _proj(c, a["W_o"], a.get("b_o"))  # (LL1) (n, E)
         h = rmsnorm_forward(sub(p, "ffn_norm."), x[None], eps=m.eps)[0]  # (LL2) (1, n, E)
         return x + swiglu_forward(sub(p, "ffn."), h)[0][0]  # (LL2) (n, E)
