@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from attngrad.runtime import crew, fused, parallel, products
+from attngrad.runtime import crew, fused, parallel, products, threads
 
 pytestmark = [
     pytest.mark.skipif(fused.products() is None, reason="the compiled loops need numba (attngrad[fast])"),
@@ -22,8 +22,7 @@ pytestmark = [
 @pytest.fixture
 def two_cores(monkeypatch):
     """Two workers wherever the tests run (one member besides the caller)."""
-    monkeypatch.setattr(products, "available_cores", lambda: 2)
-    monkeypatch.setattr(parallel, "available_cores", lambda: 2)
+    monkeypatch.setattr(threads, "_SET", 2)
     monkeypatch.setattr(products, "MIN_FLOPS", 0)
 
 
@@ -139,12 +138,12 @@ def test_concurrent_callers_each_get_their_product(two_cores):
         except BaseException as exc:  # reported below
             errors.append(exc)
 
-    threads = [threading.Thread(target=caller, args=(i,)) for i in range(4)]
-    for t in threads:
+    callers = [threading.Thread(target=caller, args=(i,)) for i in range(4)]
+    for t in callers:
         t.start()
-    for t in threads:
+    for t in callers:
         t.join(timeout=60)
-    assert not errors and not any(t.is_alive() for t in threads)
+    assert not errors and not any(t.is_alive() for t in callers)
 
 
 _FORK_SCRIPT = """
@@ -185,7 +184,7 @@ def test_a_forked_child_makes_its_own_crew():
     and pool of its own (the parent's threads are not in it; without the reset at the
     fork its caller would run every unit alone).  In a fresh interpreter, so that no
     other library's threads are forked along."""
-    if parallel.available_cores() < 2:
+    if threads.get_num_threads() < 2:
         pytest.skip("one core: no crew")
     done = subprocess.run([sys.executable, "-c", _FORK_SCRIPT], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

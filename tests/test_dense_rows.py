@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from attngrad.core import dense_rows
 from attngrad.core.sdpa import attention_lse, on_workers, sdpa_backward, sdpa_forward
-from attngrad.runtime import fused, parallel
+from attngrad.runtime import fused, parallel, threads
 
 pytestmark = pytest.mark.skipif(not fused.enabled(), reason="the compiled loops need numba (attngrad[fast])")
 
@@ -184,7 +184,7 @@ def test_same_bits_on_the_workers(monkeypatch, batch, length, dim, tiled_sizes):
     rng = np.random.default_rng(2)
     q, k, v, do = _data(rng, batch, 4, 4, length, length, dim, dim, True)
     assert batch * 4 * length * length >= parallel.ROWS_MIN_SIZE
-    monkeypatch.setattr(parallel, "available_cores", lambda: 2)
+    monkeypatch.setattr(threads, "_SET", 2)
     split = []
     real = parallel.run_units
     monkeypatch.setattr(parallel, "run_units", lambda fn, n, *a, **kw: (split.append(n), real(fn, n, *a, **kw))[1])
@@ -193,7 +193,7 @@ def test_same_bits_on_the_workers(monkeypatch, batch, length, dim, tiled_sizes):
     g = sdpa_backward(do, cache)
     spans = 2 * dense_rows.SPANS_PER_CORE
     assert split == [spans, spans]  # forward and backward, each in SPANS_PER_CORE spans of heads a core
-    monkeypatch.setattr(parallel, "available_cores", lambda: 1)
+    monkeypatch.setattr(threads, "_SET", 1)
     o1, c1 = sdpa_forward(q, k, v, impl="dense", causal="top_left")
     assert c1.rows is not None and not on_workers(c1)
     g1 = sdpa_backward(do, c1)

@@ -18,7 +18,7 @@ import pytest
 
 import attngrad as ag
 from attngrad.core.tiled import make_tiling
-from attngrad.runtime import fused
+from attngrad.runtime import fused, threads
 from attngrad.runtime.parallel import ENV_NO_PIN
 from conftest import assert_close_rel
 
@@ -140,7 +140,7 @@ def test_dense_row_kernels_do_not_depend_on_the_row_split(rows, monkeypatch):
     dp = rng.standard_normal(s.shape).astype(np.float32)
     results = []
     for cores in (1, 2, 3):
-        monkeypatch.setattr(fused, "available_cores", lambda c=cores: c)
+        monkeypatch.setattr(threads, "_SET", cores)
         monkeypatch.setattr(fused, "_PARALLEL_MIN_SIZE", 1)
         p = fused.softmax_inplace(s.copy())
         ds, delta = fused.dsoftmax_inplace(dp.copy(), p)
@@ -172,13 +172,13 @@ def test_bitwise_identical_across_calls_and_thread_counts(variant, use_fused, mo
         opts.update(sinks=np.linspace(-1, 1, 4), alibi_slopes=np.linspace(0.05, 0.2, 4),
                     softcap=3.0, dropout_p=0.1, dropout_seed=4)
     first = None
-    for threads, no_pin in ((1, "0"), (2, "0"), (3, "0"), (2, "1"), (1, "1"), (3, "1")):
+    for count, no_pin in ((1, "0"), (2, "0"), (3, "0"), (2, "1"), (1, "1"), (3, "1")):
         monkeypatch.setenv(ENV_NO_PIN, no_pin)  # workers held on their own CPUs, or not
-        got = _run(x, opts, np.float32, use_fused, monkeypatch, block_q=8, block_k=16, threads=threads)
+        got = _run(x, opts, np.float32, use_fused, monkeypatch, block_q=8, block_k=16, threads=count)
         if first is None:
             first = got
         for n, a in got.items():
-            assert a.tobytes() == first[n].tobytes(), f"{n} differs with threads={threads}"
+            assert a.tobytes() == first[n].tobytes(), f"{n} differs with threads={count}"
 
 
 @needs_numba

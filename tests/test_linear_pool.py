@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from attngrad.layers import linear
-from attngrad.runtime import fused, parallel, products
+from attngrad.runtime import fused, products, threads
 
 pytestmark = pytest.mark.skipif(fused.products() is None, reason="the pooled products need numba")
 
@@ -46,11 +46,9 @@ def test_pooled_layer_has_the_same_bits_on_any_number_of_cores(monkeypatch, core
     shape = (4096, 128, 512)
     assert products.alone(*shape)
     with monkeypatch.context() as m:
-        m.setattr(parallel, "available_cores", lambda: 1)
-        m.setattr(products, "available_cores", lambda: 1)
+        m.setattr(threads, "_SET", 1)
         one = _layer(np.random.default_rng(3), *shape, np.float32)[3]
-    monkeypatch.setattr(parallel, "available_cores", lambda: cores)
-    monkeypatch.setattr(products, "available_cores", lambda: cores)
+    monkeypatch.setattr(threads, "_SET", cores)
     many = _layer(np.random.default_rng(3), *shape, np.float32)[3]
     for a, b in zip(one, many, strict=True):
         assert np.array_equal(a, b)
@@ -101,8 +99,7 @@ def test_swiglu_on_the_workers_has_the_same_bits_on_any_number_of_cores(monkeypa
     shape = (4096, 128, 512)
     out = []
     for n in (1, cores):
-        monkeypatch.setattr(parallel, "available_cores", lambda n=n: n)
-        monkeypatch.setattr(products, "available_cores", lambda n=n: n)
+        monkeypatch.setattr(threads, "_SET", n)
         out.append(_swiglu(np.random.default_rng(8), *shape)[3])
     for a, b in zip(*out, strict=True):
         assert np.array_equal(a, b)

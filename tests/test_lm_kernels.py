@@ -10,7 +10,7 @@ from attngrad.core import rope as R
 from attngrad.layers import activations as A
 from attngrad.layers import loss as L
 from attngrad.layers import swiglu as S
-from attngrad.runtime import fused
+from attngrad.runtime import fused, threads
 
 needs_numba = pytest.mark.skipif(not fused.enabled(), reason="the compiled loops need numba (attngrad[fast])")
 
@@ -195,7 +195,7 @@ def test_swiglu_layer_bitwise_the_numpy_lines_on_any_number_of_cores(monkeypatch
     p = {k: (rng.standard_normal(s) / 4).astype(np.float32) for k, s in
          (("W_gate", (e, f)), ("W_up", (e, f)), ("W_down", (f, e)))}
     df = rng.standard_normal(h.shape).astype(np.float32)
-    monkeypatch.setattr(parallel, "available_cores", lambda: cores)
+    monkeypatch.setattr(threads, "_SET", cores)
     _, c = S.swiglu_forward(p, h)
     dh, g = S.swiglu_backward(df, c)
     a, u = c.a, c.u
@@ -223,7 +223,7 @@ def test_rope_split_over_the_batch_changes_no_bit(monkeypatch, cores, batch_posi
     dy = rng.standard_normal(x.shape).astype(np.float32)
     out = []
     for n in (1, cores):
-        monkeypatch.setattr(parallel, "available_cores", lambda n=n: n)
+        monkeypatch.setattr(threads, "_SET", n)
         y, c = R.rope_forward(x, pos)
         out.append((y, R.rope_backward(dy, c)))
     assert _same(out[0][0], out[1][0]) and _same(out[0][1], out[1][1])

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from attngrad.runtime import fused, parallel, products
+from attngrad.runtime import fused, parallel, products, threads
 from attngrad.runtime.parallel import ENV_NO_PIN
 
 compiled = pytest.mark.skipif(fused.products() is None, reason="the compiled loops (numba) are off")
@@ -72,7 +72,7 @@ def test_pooled_product_is_bitwise_the_same_for_any_worker_count_and_placement(m
     for workers in (1, 2, 3):
         for no_pin in ("0", "1"):
             monkeypatch.setenv(ENV_NO_PIN, no_pin)
-            monkeypatch.setattr(products, "available_cores", lambda w=workers: w)
+            monkeypatch.setattr(threads, "_SET", workers)
             results.append(products.matmul(a, b, trans_b=True, bias=bias))
     for c in results[1:]:
         np.testing.assert_array_equal(c, results[0])
@@ -88,7 +88,7 @@ def test_pooled_product_writes_out_and_runs_on_the_workers(monkeypatch):
     out = np.full((700, 30), np.nan, dtype=np.float32)
     assert products.matmul(a, b, out) is out
     # one hand-out: a compiled loop per worker, taking the 3 blocks from one counter
-    assert seen == [min(-(-700 // products.CHUNK_ROWS), parallel.available_cores())]
+    assert seen == [min(-(-700 // products.CHUNK_ROWS), threads.get_num_threads())]
     np.testing.assert_allclose(out, _reference(a, b, False, False), rtol=1e-5, atol=1e-4)
 
 
@@ -133,6 +133,36 @@ def test_strided_bias_and_transposes(monkeypatch):
             np.testing.assert_allclose(c, _reference(a, b, trans_a, trans_b) + bias, rtol=1e-12, atol=1e-12)
 
 
+@compiled
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_column_major_operands_run_on_the_workers_as_transposes(monkeypatch, dtype):
+    """A torch weight's ``.T`` (column-major) is handed to BLAS as its transpose with the
+    flag flipped: pooled, on the workers (not NumPy's own BLAS threads), the same bits at
+    any thread count, and the values of its row-major copy."""
+    monkeypatch.setattr(products, "MIN_FLOPS", 0)
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((700, 48)).astype(dtype)
+    w = rng.standard_normal((32, 48)).astype(dtype).T  # (48, 32) column-major, as torch's weight.T
+    dy = np.asfortranarray(rng.standard_normal((700, 32)).astype(dtype))
+    bias = rng.standard_normal(32).astype(dtype)
+    assert not w.flags.c_contiguous and products.pooled(x, w, bias=bias) and products.pooled(dy, w, trans_b=True)
+    seen = _count_hand_outs(monkeypatch)
+    got = products.matmul(x, w, bias=bias)
+    got_t = products.matmul(dy, w, trans_b=True)  # both operands column-major, a flag on top: (700, 48)
+    assert len(seen) == 2, "the products did not run on the workers"
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype == np.float32 else dict(rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(got, _reference(x, w, False, False, bias), **tol)
+    np.testing.assert_allclose(got_t, _reference(dy, w, False, True), **tol)
+    for count in (1, 2, 3):
+        monkeypatch.setattr(threads, "_SET", count)
+        assert products.matmul(x, w, bias=bias).tobytes() == got.tobytes()
+        assert products.matmul(dy, w, trans_b=True).tobytes() == got_t.tobytes()
+    # the one-call paths (MKL's sequential layer for small products, the bias written first)
+    for got_small, add in ((products.serial(x[:8], w), 0), (products.with_bias(x[:8], w, bias), bias)):
+        if got_small is not None:  # (where they apply: the compiled loops' BLAS present)
+            np.testing.assert_allclose(got_small, _reference(x[:8], w, False, False) + add, **tol)
+
+
 def test_what_the_pooled_path_declines_numpy_computes(monkeypatch):
     """Overlapping or read-only out, strided rows, mixed or integer dtypes, non-NumPy
     arrays, small products: NumPy's matmul, the same values as a @ b (+ bias)."""
@@ -145,8 +175,9 @@ def test_what_the_pooled_path_declines_numpy_computes(monkeypatch):
     expect = square @ square
     assert not products.pooled(square, square, square)
     np.testing.assert_array_equal(products.matmul(square, square, square), expect)
-    # columns a stride apart, mixed dtypes, integers, a 0-d bias: declined, NumPy's values
-    strided = np.asfortranarray(a)
+    # elements a stride apart in both directions, mixed dtypes, integers, a 0-d bias:
+    # declined, NumPy's values
+    strided = rng.standard_normal((80, 60))[::2, ::2]
     assert not products.pooled(strided, b)
     np.testing.assert_array_equal(products.matmul(strided, b), strided @ b)
     assert not products.pooled(a.astype(np.float32), b)
@@ -191,13 +222,14 @@ def test_several_products_in_one_hand_out_are_bitwise_each_alone(monkeypatch):
     jobs = [(a, b, True, False), products.Product(c, d, False, True, bias, out)]
     calls = _count_hand_outs(monkeypatch)
     got = products.matmuls(jobs)
-    assert calls == [min(3 + 2, parallel.available_cores())] and got[1] is out  # 5 blocks, one hand-out
+    assert calls == [min(3 + 2, threads.get_num_threads())] and got[1] is out  # 5 blocks, one hand-out
     np.testing.assert_array_equal(got[0], products.matmul(a, b, trans_a=True))
     np.testing.assert_array_equal(got[1], products.matmul(c, d, trans_b=True, bias=bias))
     calls.clear()
-    strided = np.asfortranarray(c)  # declined: every product alone, NumPy for this one
+    strided = np.repeat(np.repeat(c, 2, axis=0), 2, axis=1)[::2, ::2]  # c, elements a stride apart both ways
+    # declined: every product alone, NumPy for this one
     got = products.matmuls([(a, b, True, False), (strided, d, False, True)])
-    assert calls == [min(3, parallel.available_cores())]
+    assert calls == [min(3, threads.get_num_threads())]
     np.testing.assert_array_equal(got[1], strided @ d.T)
     with pytest.raises(ValueError, match=r"inner sizes differ"):
         products.matmuls([(a, b, False, False)])
@@ -233,8 +265,8 @@ def test_products_added_to_one_out_sum_in_order(monkeypatch, pool):
     assert np.max(np.abs(c - want)) <= 1e-5 * np.max(np.abs(want))
     assert np.max(np.abs(dw - _reference(x, a1, True, False))) <= 1e-5 * np.max(np.abs(dw))
     if pool:
-        for threads in (1, 3):
-            monkeypatch.setattr(products, "available_cores", lambda t=threads: t)
+        for count in (1, 3):
+            monkeypatch.setattr(threads, "_SET", count)
             again = run()
             assert again[0].tobytes() == dw.tobytes() and np.array_equal(again[1], c)
             assert again[1].tobytes() == np.ascontiguousarray(c).tobytes()
@@ -280,7 +312,7 @@ def test_a_long_sum_into_a_small_c_runs_in_parts_added_in_order(monkeypatch, dty
     seen = _count_hand_outs(monkeypatch)
     out = np.full((m, 2 * n), np.nan, dtype)[:, :n]  # rows apart by 2n
     c = products.matmul(a, b, out, trans_a=trans_a, trans_b=trans_b)
-    assert c is out and seen == [min(3, parallel.available_cores())]  # three blocks, one hand-out
+    assert c is out and seen == [min(3, threads.get_num_threads())]  # three blocks, one hand-out
     eps = np.finfo(dtype).eps
     bound = (k + 2) * eps * (np.abs(_reference(np.abs(a), np.abs(b), trans_a, trans_b)) + 1)
     assert np.all(np.abs(c - _reference(a, b, trans_a, trans_b)) <= bound)
@@ -295,7 +327,7 @@ def test_a_long_sum_into_a_small_c_runs_in_parts_added_in_order(monkeypatch, dty
         want = want + part(k0, k1)
     assert np.ascontiguousarray(c).tobytes() == want.tobytes()
     for workers in (1, 2, 3):
-        monkeypatch.setattr(products, "available_cores", lambda w=workers: w)
+        monkeypatch.setattr(threads, "_SET", workers)
         again = products.matmul(a, b, trans_a=trans_a, trans_b=trans_b)
         assert again.tobytes() == want.tobytes()
 

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 from attngrad.layers import activations, layernorm
-from attngrad.runtime import parallel
+from attngrad.runtime import parallel, threads
 
 
 def _all(monkeypatch, cores: int):
-    monkeypatch.setattr(parallel, "available_cores", lambda: cores)
+    monkeypatch.setattr(threads, "_SET", cores)
     rng = np.random.default_rng(5)
     x = rng.standard_normal((12, 350, 256)).astype(np.float32)  # 4200 rows, above ROWS_MIN_SIZE values
     assert x.size >= parallel.ROWS_MIN_SIZE
@@ -61,7 +61,7 @@ def test_relu_keeps_nan_and_signed_zero():
 def test_run_rows_below_the_size_runs_every_span_in_order_on_the_caller(monkeypatch):
     import threading
 
-    monkeypatch.setattr(parallel, "available_cores", lambda: 2)
+    monkeypatch.setattr(threads, "_SET", 2)
     spans = parallel.fixed_spans(2000, 512)
     seen = []
     parallel.run_rows(lambda i, r0, r1: seen.append((i, r0, r1, threading.get_ident())), spans,
@@ -79,7 +79,7 @@ def test_layernorm_backward_has_the_same_bits_split_or_not(monkeypatch):
     x = rng.standard_normal((3, 700, 64)).astype(np.float32)  # 2100 rows: 5 fixed spans
     dy = rng.standard_normal(x.shape).astype(np.float32)
     p = {"g": rng.standard_normal(64).astype(np.float32), "b": rng.standard_normal(64).astype(np.float32)}
-    monkeypatch.setattr(parallel, "available_cores", lambda: 2)
+    monkeypatch.setattr(threads, "_SET", 2)
     out = []
     for threshold in (1, 1 << 40):  # every span on the workers, then all on the caller
         monkeypatch.setattr(parallel, "ROWS_MIN_SIZE", threshold)
@@ -98,5 +98,5 @@ def test_layernorm_backward_has_the_same_bits_split_or_not(monkeypatch):
     (10, (1 << 20) - 1, 2, 4, [(0, 10)]),  # below ROWS_MIN_SIZE: one span
 ])
 def test_row_spans_cover_the_rows_in_order(monkeypatch, rows, size, cores, per_core, want):
-    monkeypatch.setattr(parallel, "available_cores", lambda: cores)
+    monkeypatch.setattr(threads, "_SET", cores)
     assert parallel.row_spans(rows, size, per_core) == want

@@ -26,6 +26,7 @@ from .layers import (
     params_from_torch,
     params_to_torch,
 )
+from .runtime.threads import get_num_threads, set_num_threads
 
 __all__ = [
     "MHACache",
@@ -39,6 +40,7 @@ __all__ = [
     "attention_weights",
     "conform",
     "dropout_mask",
+    "get_num_threads",
     "init_mha_params",
     "make_mask_spec",
     "masked_softmax",
@@ -53,4 +55,5 @@ __all__ = [
     "sdpa_forward",
     "sdpa_varlen_backward",
     "sdpa_varlen_forward",
+    "set_num_threads",
 ]

@@ -12,6 +12,7 @@ import numpy as np
 from ..core.tiled import AUTO_TILED_MIN_ENTRIES  # impl="auto" keeps P below this many logits
 from ..resources import format_seconds, require_memory, require_time
 from ..runtime.parallel import available_cores, check_threads
+from ..runtime.threads import get_num_threads
 from .contenders import ATTENTION, REFERENCE, Case, contender, library, primer
 from .memory import measure
 from .timing import paired_ratios, summarize, time_round_robin
@@ -221,7 +222,7 @@ def run_bench(cfg: BenchConfig, *, progress=None) -> BenchResult:
     require_time(seconds, TIME_LIMIT, "this benchmark", hint="use smaller --sizes or fewer --rounds")
     say = progress or (lambda text: None)
     say(f"estimated {format_seconds(seconds)}")
-    threads = cfg.threads or available_cores()
+    threads = cfg.threads or get_num_threads()
     result = BenchResult(cfg, environment=_environment(threads))
     if any(library(n) == "torch" for n in selected(cfg)):
         import torch

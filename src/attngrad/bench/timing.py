@@ -32,12 +32,13 @@ def _primer(kind: str) -> Callable[[], None]:
     a = np.ones((256, 256), dtype=np.float32)
     if kind == "workers":
         from ..runtime.fused import products
-        from ..runtime.parallel import available_cores, run_units
+        from ..runtime.parallel import run_units
+        from ..runtime.threads import get_num_threads
 
         found = products()
         if found is not None:
             gemm, blas = found
-            n = available_cores()
+            n = get_num_threads()
             pairs = [(np.ones((64, 64), np.float32), np.empty((64, 64), np.float32)) for _ in range(n)]
 
             def unit(u: int, worker: int) -> None:

@@ -109,7 +109,8 @@ def params_from_torch(state_dict, *, dtype=None) -> dict:
         params.update(b_q=b[:e], b_k=b[e : 2 * e], b_v=b[2 * e :])
     if "out_proj.bias" in sd:
         params["b_o"] = _want(sd, "out_proj.bias", (e,), "(E,)")
-    return {k: np.array(v, dtype=dtype or v.dtype) for k, v in params.items()}
+    # row-major copies (the weights' transposes would keep torch's layout as column-major views)
+    return {k: np.array(v, dtype=dtype or v.dtype, order="C") for k, v in params.items()}
 
 
 def params_to_torch(params) -> dict:

@@ -138,13 +138,13 @@ def _make(members: int):
 
 
 def _crew():
-    """The process's crew, one member per available core besides the caller's; None
-    where there is none.  Made anew for another core count once no member of the old one
-    is left."""
+    """The process's crew, one member per thread besides the caller's
+    (:func:`attngrad.get_num_threads`); None where there is none.  Made anew for another
+    count once no member of the old one is left."""
     global _CREW
-    from .parallel import available_cores
+    from .threads import get_num_threads
 
-    members = available_cores() - 1
+    members = get_num_threads() - 1
     if members < 1:
         return None
     if _CREW is None or (_CREW and _CREW.members != members and not any(_CREW.queued)):

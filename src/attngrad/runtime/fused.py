@@ -48,7 +48,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .parallel import available_cores, shared_pool
+from .parallel import shared_pool
+from .threads import get_num_threads
 
 ENV_DISABLE = "ATTNGRAD_NO_NUMBA"
 _KERNELS = None  # the compiled kernels (a dict), False when numba is missing
@@ -258,12 +259,12 @@ def _split_rows(kernel, rows: int, size: int, *args) -> None:
     """``kernel(*args, r0, r1)`` over row ranges split across the available cores (the
     kernels release the GIL); each row is computed alone, so the split does not change a
     bit of the result."""
-    n = min(available_cores(), max(1, rows // _MIN_ROWS_PER_WORKER))
+    n = min(get_num_threads(), max(1, rows // _MIN_ROWS_PER_WORKER))
     if n == 1 or size < _PARALLEL_MIN_SIZE:
         kernel(*args, 0, rows)
         return
     bounds = [rows * w // n for w in range(n + 1)]
-    pool = shared_pool()
+    pool = shared_pool(n)
     for f in [pool.submit(kernel, *args, bounds[w], bounds[w + 1]) for w in range(n)]:
         f.result()
 

@@ -28,9 +28,12 @@ def available_cores() -> int:
 
 
 def check_threads(threads) -> int:
-    """None -> every available core; else a positive int, or ValueError/TypeError naming ``threads``."""
+    """None -> :func:`attngrad.get_num_threads` (:mod:`.threads`); else a positive int, or
+    ValueError/TypeError naming ``threads``."""
     if threads is None:
-        return available_cores()
+        from .threads import get_num_threads
+
+        return get_num_threads()
     if isinstance(threads, bool) or not isinstance(threads, int):
         raise TypeError(f"threads must be a positive integer or None; got {type(threads).__name__}")
     if threads < 1:
@@ -253,7 +256,7 @@ def _unit_pool(n: int) -> ThreadPoolExecutor:
     global _UNIT_POOL, _UNIT_POOL_SIZE
     with _LOCK:
         if _UNIT_POOL is None or _UNIT_POOL_SIZE < n:
-            size = max(n, available_cores() - 1, 1)
+            size = max(n, _threads() - 1, 1)
             pool = ThreadPoolExecutor(max_workers=size, thread_name_prefix="attngrad-units")
             gate = threading.Barrier(size)  # each task waits for all: one thread each
             for f in [pool.submit(gate.wait, 10) for _ in range(size)]:
@@ -265,8 +268,8 @@ def _unit_pool(n: int) -> ThreadPoolExecutor:
 def _forget_pools() -> None:
     """In a forked child: the parent's pool threads are not there (and a lock another
     thread held at the fork would stay held)."""
-    global _UNIT_POOL, _UNIT_POOL_SIZE, _POOL, _LOCK
-    _UNIT_POOL, _UNIT_POOL_SIZE, _POOL, _LOCK = None, 0, None, threading.Lock()
+    global _UNIT_POOL, _UNIT_POOL_SIZE, _POOL, _POOL_SIZE, _LOCK
+    _UNIT_POOL, _UNIT_POOL_SIZE, _POOL, _POOL_SIZE, _LOCK = None, 0, None, 0, threading.Lock()
 
 
 if hasattr(os, "register_at_fork"):
@@ -275,18 +278,27 @@ if hasattr(os, "register_at_fork"):
 
 _PARALLEL_MIN_SIZE = 1 << 18  # below this, one thread is faster than handing out work
 _POOL = None
+_POOL_SIZE = 0
 
 
-def shared_pool() -> ThreadPoolExecutor:
-    """One process-wide pool of ``available_cores()`` threads for elementwise work split
-    into chunks (exp, fused softmax rows): started once, not per call (a fresh pool costs
-    a thread start per thread, which the many small attention calls of a training step
-    would pay every time).
-    Only for leaf work that submits nothing to the pool itself."""
-    global _POOL
+def _threads() -> int:
+    from .threads import get_num_threads
+
+    return get_num_threads()
+
+
+def shared_pool(n: int | None = None) -> ThreadPoolExecutor:
+    """One process-wide pool of at least ``n`` threads (default :func:`_threads`) for
+    elementwise work split into chunks (exp, fused softmax rows): started once, not per
+    call (a fresh pool costs a thread start per thread, which the many small attention
+    calls of a training step would pay every time); replaced by a larger one when a call
+    asks for more.  Only for leaf work that submits nothing to the pool itself."""
+    global _POOL, _POOL_SIZE
+    n = _threads() if n is None else n
     with _LOCK:
-        if _POOL is None:
-            _POOL = ThreadPoolExecutor(max_workers=available_cores(), thread_name_prefix="attngrad")
+        if _POOL is None or _POOL_SIZE < n:
+            _POOL = ThreadPoolExecutor(max_workers=n, thread_name_prefix="attngrad")
+            _POOL_SIZE = n
         return _POOL
 
 
@@ -295,11 +307,11 @@ def exp_inplace(a):
     but run on one thread); ``a`` must be a C-contiguous NumPy array.  Returns ``a``."""
     import numpy as np
 
-    n = available_cores()
+    n = _threads()
     if n == 1 or a.size < _PARALLEL_MIN_SIZE or not a.flags.c_contiguous:
         return np.exp(a, out=a)
     chunks = np.array_split(a.reshape(-1), n)  # views into a
-    for f in [shared_pool().submit(np.exp, c, out=c) for c in chunks]:
+    for f in [shared_pool(n).submit(np.exp, c, out=c) for c in chunks]:
         f.result()
     return a
 
@@ -320,7 +332,7 @@ def row_spans(rows: int, size: int, per_core: int = 1) -> list:
     workers take spans from one counter).  For row-local work only (each row alone: a
     split changes no bit); work with sums across rows takes spans fixed by its shape
     (:func:`fixed_spans`)."""
-    cores = available_cores() if size >= ROWS_MIN_SIZE else 1
+    cores = _threads() if size >= ROWS_MIN_SIZE else 1
     n = max(1, min(rows, cores * per_core if cores > 1 else 1))
     return [(rows * i // n, rows * (i + 1) // n) for i in range(n)]
 
@@ -333,7 +345,7 @@ def fixed_spans(rows: int, per_span: int) -> list:
 
 def run_rows(fn: Callable[[int, int, int], None], spans: list, size: int | None = None) -> None:
     """``fn(index, r0, r1)`` for each span of ``spans`` (:func:`row_spans`,
-    :func:`fixed_spans`), on every available core where there are several (``fn`` releases
+    :func:`fixed_spans`), on :func:`attngrad.get_num_threads` threads where that is several (``fn`` releases
     the GIL: a compiled kernel, or NumPy ufuncs on slices); ``size``, the work's element
     count where given: below ROWS_MIN_SIZE one thread runs every span, in order (fixed
     spans: the same bits either way)."""
@@ -341,4 +353,4 @@ def run_rows(fn: Callable[[int, int, int], None], spans: list, size: int | None 
         for i, (r0, r1) in enumerate(spans):
             fn(i, r0, r1)
         return
-    run_units(lambda u, _w: fn(u, *spans[u]), len(spans), available_cores(), blas=False)
+    run_units(lambda u, _w: fn(u, *spans[u]), len(spans), _threads(), blas=False)

@@ -26,7 +26,8 @@ from typing import NamedTuple
 import numpy as np
 
 from . import crew, fused
-from .parallel import available_cores, run_units
+from .parallel import run_units
+from .threads import get_num_threads
 
 CHUNK_ROWS = 256  # rows of C per unit: (1024, 512) x (512, 512) in 4 units
 CHUNK_COLS = 128  # columns of C per unit where C has one block of rows (a weight gradient
@@ -47,6 +48,24 @@ def blas_rows(x) -> bool:
     return inner and outer
 
 
+def rows_first(x, trans: bool) -> tuple:
+    """``(x, trans)`` with ``x``'s rows readable by BLAS where it or its transpose allows:
+    a column-major ``x`` (a torch weight's ``.T``, a Fortran-ordered array) is passed as its
+    transpose with the flag flipped, op(x) unchanged, so that such operands run where
+    row-major ones do (not on NumPy's own BLAS threads)."""
+    if (type(x) is np.ndarray and x.ndim == 2 and x.shape[0] > 1 and x.shape[1] > 1 and not blas_rows(x)
+            and blas_rows(x.T)):
+        return x.T, not trans
+    return x, trans
+
+
+def _rows_first(job: Product) -> Product:
+    """:func:`rows_first` of both operands of a product."""
+    a, trans_a = rows_first(job.a, job.trans_a)
+    b, trans_b = rows_first(job.b, job.trans_b)
+    return job if a is job.a and b is job.b else job._replace(a=a, b=b, trans_a=trans_a, trans_b=trans_b)
+
+
 def _blas_operands(a, b) -> bool:
     """a, b are 2-D NumPy arrays of one float dtype whose rows CBLAS reads as they lie."""
     if type(a) is not np.ndarray or type(b) is not np.ndarray or a.ndim != 2 or b.ndim != 2:
@@ -56,6 +75,8 @@ def _blas_operands(a, b) -> bool:
 
 def pooled(a, b, out=None, *, trans_a: bool = False, trans_b: bool = False, bias=None, gate=None) -> bool:
     """Whether :func:`matmul` runs op(a) op(b) (+ bias) on the workers (else NumPy)."""
+    a, trans_a = rows_first(a, trans_a)
+    b, trans_b = rows_first(b, trans_b)
     if not _blas_operands(a, b):
         return False
     if bias is not None and (type(bias) is not np.ndarray or bias.dtype != a.dtype or bias.ndim != 1):
@@ -215,7 +236,7 @@ def matmuls(jobs) -> list:
     ``out`` runs after it on each block of rows (a sum of products in one hand-out: the
     layer's dX = dQ W_q^T + dK W_k^T + dV W_v^T without concatenating the weights).
     Returns the C of each, in order."""
-    jobs = [Product(*j) for j in jobs]
+    jobs = [_rows_first(Product(*j)) for j in jobs]
     shapes = [_check(j) for j in jobs]
     groups = _groups(jobs)
     takes = [pooled(j.a, j.b, j.out, trans_a=j.trans_a, trans_b=j.trans_b, bias=j.bias, gate=j.gate) for j in jobs]
@@ -251,12 +272,13 @@ def matmuls(jobs) -> list:
     prods = _table(runs, [r.out for r in runs], keep)
     table = np.array([(g[0], g[-1] + 1, r0, r1, c0, c1) for g, r0, r1, c0, c1 in blocks],
                      dtype=np.int64).reshape(-1, 6)  # products [g0, g1), rows [r0, r1), columns [c0, c1)
-    workers = min(len(blocks), available_cores())
+    threads = get_num_threads()
+    workers = min(len(blocks), threads)
     if not crew.run(prods, table, workers):  # the caller and the crew's polling members, else
         from ._block_kernels import run_job
 
         rec = crew.job(prods, table)  # each worker takes blocks from its counter
-        run_units(lambda _u, _w: run_job(blas, rec), workers, available_cores(), blas=not fused.private_blas())
+        run_units(lambda _u, _w: run_job(blas, rec), workers, threads, blas=not fused.private_blas())
     for c, rest in sums:  # C = part 0 + part 1 + ..., in order
         for r in rest:
             np.add(c, r, out=c)
@@ -295,6 +317,8 @@ def serial(a, b, *, trans_a: bool = False, trans_b: bool = False):
     operands, larger products: the caller uses NumPy).  The choice depends on the operands
     alone, never on a thread count.  Why: at the training step's small sizes MKL's
     single-threaded products are faster than OpenBLAS's (docs/benchmarks-archive.md)."""
+    a, trans_a = rows_first(a, trans_a)
+    b, trans_b = rows_first(b, trans_b)
     if not _blas_operands(a, b):
         return None
     m, k = a.shape[::-1] if trans_a else a.shape
@@ -319,10 +343,11 @@ def with_bias(a, b, bias):
     language model's projections (docs/benchmarks.md).  The bias enters the BLAS's sum:
     the value is ``a @ b + bias`` within rounding (bitwise where the BLAS sums K in one
     pass: the product's float sum, then the bias added, rounded once)."""
+    (a, trans_a), (b, trans_b) = rows_first(a, False), rows_first(b, False)
     if not _blas_operands(a, b) or type(bias) is not np.ndarray or bias.dtype != a.dtype or bias.ndim != 1:
         return None
-    m, k = a.shape
-    kb, n = b.shape
+    m, k = a.shape[::-1] if trans_a else a.shape
+    kb, n = b.shape[::-1] if trans_b else b.shape
     if k != kb or bias.shape != (n,) or k == 0 or not fused.enabled():
         return None  # (a mismatch: NumPy names it)
     if _serial_blas(m, k, n):
@@ -338,7 +363,7 @@ def with_bias(a, b, bias):
 
     c = np.empty((m, n), dtype=a.dtype)
     np.copyto(c, bias)  # (F1) the bias in every row: the GEMM adds the product to it
-    gemm(blas, a, False, b, False, c, 1.0, 1.0)
+    gemm(blas, a, trans_a, b, trans_b, c, 1.0, 1.0)
     return c
 
 

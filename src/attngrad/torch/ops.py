@@ -38,6 +38,8 @@ from attngrad.core.tiled import TiledCache
 from attngrad.core.tiled.policy import Tiling, make_tiling
 from attngrad.core.topk import TopKCache
 
+from .threads import torch_threads
+
 TILED, DENSE, TOPK_TILED, TOPK_DENSE = 1, 0, 2, 3
 
 
@@ -106,6 +108,7 @@ def _residual_o(o, dtype):
 
 
 @torch.library.custom_op("attngrad::sdpa", mutates_args=())
+@torch_threads
 def sdpa_op(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -176,6 +179,7 @@ def _sdpa_fake(q, k, v, bias, mask, key_mask, sinks, alibi, seed, causal, scale,
 
 
 @torch.library.custom_op("attngrad::sdpa_backward", mutates_args=())
+@torch_threads
 def sdpa_backward_op(
     dout: torch.Tensor,
     q: torch.Tensor,

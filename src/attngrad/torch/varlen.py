@@ -21,6 +21,7 @@ import torch
 from attngrad.core.varlen import sdpa_varlen_backward, sdpa_varlen_forward
 from attngrad.torch.ops import _np, _window
 from attngrad.torch.sdpa import IMPLS, _dropout, _per_head, _real, _window_arg
+from attngrad.torch.threads import torch_threads
 
 CAUSAL = {False: "none", True: "bottom_right", "bottom_right": "bottom_right", "top_left": "top_left"}
 
@@ -35,6 +36,7 @@ def _forward(q, k, v, cu_q, cu_k, sinks, alibi, seed, causal, scale, softcap, wi
 
 
 @torch.library.custom_op("attngrad::varlen", mutates_args=())
+@torch_threads
 def varlen_op(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -62,6 +64,7 @@ def _varlen_fake(q, k, v, cu_q, cu_k, sinks, alibi, seed, causal, scale, softcap
 
 
 @torch.library.custom_op("attngrad::varlen_backward", mutates_args=())
+@torch_threads
 def varlen_backward_op(
     dout: torch.Tensor,
     q: torch.Tensor,
