@@ -32,6 +32,7 @@ LAYERS = (
     "formulas",
     "check",
     "conform",
+    "grade",  # attngrad grade: a learner's layer against the closed form
     "train",  # data-parallel training included
     "report",
     "bench",

@@ -18,6 +18,7 @@ from .core import (
     sdpa_varlen_forward,
 )
 from .core.rope import RoPE, RoPECache, rope_backward, rope_forward
+from .grade import GradeReport, grade
 from .layers import (
     MHACache,
     init_mha_params,
@@ -29,6 +30,7 @@ from .layers import (
 from .runtime.threads import get_num_threads, set_num_threads
 
 __all__ = [
+    "GradeReport",
     "MHACache",
     "MaskSpec",
     "RoPE",
@@ -40,6 +42,7 @@ __all__ = [
     "attention_weights",
     "conform",
     "dropout_mask",
+    "grade",
     "get_num_threads",
     "init_mha_params",
     "make_mask_spec",
