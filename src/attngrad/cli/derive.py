@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from ..formulas import FLAVORS, FORMATS, derive_document, numeric_walkthrough
+from ..formulas.numeric import load_case
 from ..formulas.rope_norm import EXTRA
 from .check import add_formula_variant
 
@@ -26,9 +29,15 @@ def register(sub) -> None:
     p.add_argument("--format", choices=FORMATS, default="text", dest="fmt",
                    help="text (Unicode), markdown (GitHub $$ maths) or latex (standalone document); default text")
     p.add_argument("--numeric", action="store_true",
-                   help="print every intermediate (Q, K, V, S, P, dP, δ, dS, dQ, dK, dV, dW^Q, ...) of a tiny "
-                        "seeded case (Lq=3, Lk=4, D=2; default flavor cross) beside its equation tag, to 4 digits")
-    p.add_argument("--seed", type=int, default=0, help="seed of the --numeric case (default 0)")
+                   help="print every intermediate (Q, K, V, S, P, dP, δ, J, dS, dQ, dK, dV, dW^Q, ...) of a tiny "
+                        "seeded case (Lq=3, Lk=4, D=2; default flavor cross), or of --inputs, beside its "
+                        "equation tag, to 4 digits (text, markdown or latex)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of the --numeric case, or of G when --inputs holds none (default 0)")
+    p.add_argument("--inputs", type=Path, default=None, metavar="CASE.npz",
+                   help="with --numeric: your own case, saved by numpy.savez: X, W_q, W_k, W_v, W_o; "
+                        "optional M (cross), b_q, b_k, b_v, b_o, G, key_lengths, num_heads "
+                        "(docs/guide/gradient-tools.md)")
     p.set_defaults(func=run)
 
 
@@ -40,14 +49,21 @@ def run(args) -> int:
             raise ValueError("--numeric walks through one of the flavors self, cross, causal; --variant cannot apply")
         if args.flavor not in (None, *FLAVORS):
             raise ValueError(f"--numeric needs --flavor self, cross or causal; got --flavor {args.flavor}")
-        if args.fmt == "latex":
-            raise ValueError("--numeric prints text or markdown; --format latex cannot apply")
-        if args.seed < 0:
+        if args.seed is not None and args.seed < 0:
             raise ValueError(f"--seed must be >= 0; got {args.seed}")
-        walk = numeric_walkthrough(args.flavor or "cross", seed=args.seed)
-        print(walk.text() if args.fmt == "text" else walk.markdown(), end="")
+        seed = args.seed or 0
+        if args.inputs is None:
+            walk = numeric_walkthrough(args.flavor or "cross", seed=seed)
+        else:
+            case = load_case(args.inputs)
+            if case["g"] is not None and args.seed is not None:
+                raise ValueError(f"--seed draws G; {args.inputs.name} holds its own G")
+            walk = numeric_walkthrough(args.flavor, seed=seed, **case)
+        print({"text": walk.text, "markdown": walk.markdown, "latex": walk.latex}[args.fmt](), end="")
         return 0
-    if args.seed != 0:
+    if args.seed is not None:
         raise ValueError("--seed applies to --numeric only")
+    if args.inputs is not None:
+        raise ValueError("--inputs applies to --numeric only")
     print(derive_document(args.flavor or "all", args.fmt, variants=args.variant), end="")
     return 0

@@ -44,7 +44,7 @@ _TEXT = {  # text mode
 _SHAPE_NAMES = {"Lq": "L_q", "Lk": "L_k", "Dv": "D_v", "Em": "E_m", "Hkv": "H_{kv}"}
 _OPERATORS = {"=", "−", "-", "+", "/", "<", ">", "<=", ">=", "≤", "≥", "×", "→", "|", "·", "∘", "//", "…",
               "≈", "∈"}
-_NUMBER = re.compile(r"^[0-9][0-9.,/()−+-]*$|^[()]*[0-9][0-9./()−+-]*$")
+_NUMBER = re.compile(r"^[0-9][0-9.,/()−+-]*$|^[()]*[0-9][0-9./()−+-]*$|^[0-9.]+e[-+][0-9]+$")
 _CALL = re.compile(r"[A-Za-zδσθ][(\[]")  # a name applied to an argument: exp(S, idx[b
 _CODE = re.compile(r"^[A-Za-z][A-Za-z0-9.]*(?:_[A-Za-z0-9]+)+(?:'s)?$")
 _GRAD = re.compile(r"^d(?:[A-Z]|[bzswax])$")
