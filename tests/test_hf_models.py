@@ -145,18 +145,18 @@ def test_structure_found_for_causal_window_and_padding():
     """transformers' sliding-window mask with left padding reaches attngrad as structure."""
     from transformers.masking_utils import and_masks, causal_mask_function, sliding_window_overlay
 
-    from attngrad.transformers.attention import _find_structure
+    from attngrad.transformers.structure import find_structure
 
     pad = torch.ones(2, 9, dtype=torch.bool)
     pad[0, :2] = False
     fn = and_masks(causal_mask_function, sliding_window_overlay(3))
     m = sdpa_mask(batch_size=2, q_length=9, kv_length=9, mask_function=fn, attention_mask=pad,
                   allow_is_causal_skip=False)
-    found = _find_structure(m, 9, 9, 2)
+    found = find_structure(m, 9, 9, 2)
     assert found is not None and torch.equal(found[0], pad) and found[1] == (2, None)
     m2 = m.clone()
     m2[1, 0, 5, 0] = True  # not a band: an explicit mask
-    assert _find_structure(m2, 9, 9, 2) is None
+    assert find_structure(m2, 9, 9, 2) is None
 
 
 def test_refuses_what_it_cannot_honour_naming_it():

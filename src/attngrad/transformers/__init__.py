@@ -13,10 +13,15 @@ it pays, zero-copy).  Honoured: ``scaling``, ``dropout``, ``sliding_window``, ``
 heads (no repeated keys), padding masks and ``position_bias`` (an additive bias).  The
 mask is transformers' own boolean mask (``sdpa_mask``); where it is exactly causal AND
 the sliding window AND key padding, the structure is handed to attngrad as such (its
-compiled loops skip the masked tiles), else as an explicit mask.  Returns
-``(out (B, L, H, Dv), None)``, as transformers' attention functions do.  An option it
-cannot honour (``output_attentions=True``, ``head_mask``, any unknown keyword with a
-value) is refused with an error naming it, never ignored.  Packed sequences
+compiled loops skip the masked tiles), else as an explicit mask; that is decided inside
+the ``attngrad::hf_sdpa`` op (:mod:`.structure`), so ``torch.compile(model, fullgraph=True)``
+traces a model whole, with padding masks, sliding windows and sinks.  Returns
+``(out (B, L, H, Dv), None)``, as transformers' attention functions do.  What transformers,
+its ``Trainer`` and ``generate`` pass down that does not concern the attention
+(``num_items_in_batch``, ``position_ids``, ``use_cache``, ...: every keyword of
+transformers' ``TransformersKwargs``) is ignored; an option it cannot honour
+(``output_attentions=True``, ``head_mask``, ``indices``, any unknown keyword with a value)
+is refused with an error naming it, never ignored.  Packed sequences
 (``cu_seq_lens_q``/``cu_seq_lens_k``/``max_length_q``/``max_length_k``) run
 :func:`attngrad.torch.varlen_attention` (see :mod:`.attention`).
 

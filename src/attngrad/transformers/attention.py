@@ -1,12 +1,14 @@
 """The attention and mask functions that :func:`attngrad.transformers.register` registers.
 
-transformers' conventions -> attngrad's options (the ``attngrad::sdpa`` op):
+transformers' conventions -> attngrad's options (the ``attngrad::hf_sdpa`` op):
 
 - query (B, H, Lq, D), key and value (B, Hkv, Lk, D): attngrad's own layout, GQA native;
 - ``attention_mask`` None: ``is_causal`` (or the module's ``is_causal``, default True) with
   Lq > 1 -> ``causal="bottom_right"`` (transformers' alignment with a cache); bool
   (B|1, 1|H, Lq, Lk), True = attend: the structure (causal AND window AND key padding)
-  where it is exactly that, else ``mask=``; float: added to the logits (``bias=``);
+  where it is exactly that, else ``mask=`` (decided inside the ``attngrad::hf_sdpa`` op,
+  :mod:`.structure`, so that no Python reads a tensor's values: ``torch.compile(fullgraph=
+  True)`` traces it); float: added to the logits (``bias=``);
 - ``sliding_window`` w: query i sees keys i - w + 1 .. i (transformers'
   ``kv_idx > q_idx - w``) -> ``window=(w - 1, None)``;
 - ``s_aux`` -> ``sinks=``, ``softcap`` -> ``softcap=``, ``scaling`` -> ``scale=``,
@@ -23,25 +25,44 @@ transformers' conventions -> attngrad's options (the ``attngrad::sdpa`` op):
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 from transformers.masking_utils import sdpa_mask
+from transformers.modeling_flash_attention_utils import FlashAttentionKwargs
+from transformers.utils import TransformersKwargs
 
-from attngrad.torch.ops import sdpa_op
 from attngrad.torch.sdpa import _dropout
 from attngrad.torch.varlen import varlen_attention
+from attngrad.transformers.structure import hf_sdpa_op
 
-# keywords transformers passes along that do not change attention's result
-HARMLESS = frozenset({
-    "position_ids", "cache_position", "use_cache", "past_key_values", "past_key_value", "layer_idx",
-    "output_hidden_states", "return_dict", "token_type_ids", "attention_type", "logits_to_keep",
-})
-# keywords that change the result and that attngrad does not take here
+# Keywords are read in this order (RELIABILITY 35: ignore what does not concern attention,
+# refuse by name what would change the result):
+# 1. the named parameters of attention_forward, and the packed-sequence lengths: honoured;
+# 2. REFUSED, with a value other than None or False: they change the result, and attngrad
+#    does not take them here;
 REFUSED = {
     "output_attentions": "attention weights are not returned (attngrad keeps no (Lq x Lk) matrix)",
     "head_mask": "a per-head multiplier of the weights is not an attngrad option",
+    # DeepSeek-V3.2's sparse attention hands its top-k key selection as `indices` to every
+    # implementation but eager and sdpa (to those it is folded into the mask)
+    "indices": "a top-k key selection per query is not taken from transformers here (see "
+               "attngrad.torch's kv_indices)",
+    "block_indices": "a block-sparse key selection is not an attngrad option here",
+    "sinks": "per-token sink logits are not an attngrad option (per-head sinks come as s_aux)",
 }
+# 3. PASSED_DOWN, ignored: what transformers passes to every model's forward and on, through
+#    **kwargs, to its attention function (TransformersKwargs and FlashAttentionKwargs, read
+#    from the installed transformers, so the list follows it): information for the loss
+#    (num_items_in_batch from Trainer), the outputs and the mask builder (position_ids),
+#    which transformers' own sdpa, the reference of every implementation, ignores too (those
+#    of them that concern attention are read in 1 and 2); besides them, what generation and
+#    the caches pass (use_cache=True from generate), and `deterministic` (attngrad always is:
+#    RELIABILITY 15);
+PASSED_DOWN = frozenset(TransformersKwargs.__annotations__) | frozenset(FlashAttentionKwargs.__annotations__) | {
+    "use_cache", "cache", "cache_position", "past_key_values", "past_key_value", "layer_idx", "return_dict",
+    "logits_to_keep", "token_type_ids", "attention_type", "deterministic",
+}
+# 4. any other keyword with a value other than None: refused, naming it (it may be an option
+#    of another implementation that changes the result; never silently ignored).
 # packed sequences: taken together by the varlen path
 PACKED = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
@@ -54,11 +75,17 @@ def attention_mask(*args, **kwargs):
 
 def _refuse(kwargs: dict) -> None:
     for name, value in kwargs.items():
-        if value is None or value is False or name in HARMLESS:
+        if name in REFUSED:
+            if value is None or value is False:
+                continue
+            why = REFUSED[name]
+        elif name in PASSED_DOWN or value is None:
             continue
-        why = REFUSED.get(name, "an option attngrad's attention function does not know")
+        else:
+            why = "an option attngrad's attention function does not know"
+        shown = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
         raise ValueError(
-            f"attn_implementation='attngrad' cannot honour {name}={value!r}: {why}; use another "
+            f"attn_implementation='attngrad' cannot honour {name}={shown}: {why}; use another "
             "attn_implementation for it"
         )
 
@@ -69,39 +96,6 @@ def _window_left(sliding_window, who: str):
     if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
         raise ValueError(f"{who} must be a positive int or None; got {sliding_window!r}")
     return sliding_window - 1
-
-
-_STRUCTURES: dict = {}  # id(mask) -> (weakref, version, window, result): one model forward's masks
-
-
-def _structure(mask, lq: int, lk: int, left):
-    """A boolean (b, 1, Lq, Lk) mask -> (key_mask (b, Lk) or None, window) when it equals
-    causal (bottom-right) AND the window AND key padding exactly, else None.  Kept per mask
-    tensor (every layer of a model receives the same one)."""
-    key = (id(mask), left)
-    hit = _STRUCTURES.get(key)
-    if hit is not None and hit[0]() is mask and hit[1] == mask._version:
-        return hit[2]
-    result = _find_structure(mask, lq, lk, left)
-    if len(_STRUCTURES) > 16:
-        _STRUCTURES.clear()
-    _STRUCTURES[key] = (weakref.ref(mask), mask._version, result)
-    return result
-
-
-def _find_structure(mask, lq: int, lk: int, left):
-    if mask.dim() != 4 or mask.shape[1] != 1 or tuple(mask.shape[2:]) != (lq, lk):
-        return None
-    m = mask[:, 0]  # (b, Lq, Lk)
-    i = torch.arange(lq, device=mask.device)[:, None] + (lk - lq)  # bottom-right positions
-    j = torch.arange(lk, device=mask.device)[None, :]
-    rule = j <= i
-    if left is not None:
-        rule = rule & (j >= i - left)
-    keys = m.any(dim=1)  # (b, Lk): keys some row attends
-    if not torch.equal(rule[None] & keys[:, None, :], m):
-        return None
-    return (None if bool(keys.all()) else keys), ((left, None) if left is not None else None)
 
 
 def attention_forward(
@@ -131,7 +125,7 @@ def attention_forward(
     lq, lk = query.shape[2], key.shape[2]
     left = _window_left(sliding_window, "sliding_window")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    mask = key_mask = bias = window = None
+    mask = bias = window = None
     alignment = "none"
     if attention_mask is None:
         if causal and lq > 1:
@@ -147,12 +141,9 @@ def attention_forward(
     elif not isinstance(attention_mask, torch.Tensor):
         raise TypeError(f"attention_mask must be a torch.Tensor or None; got {type(attention_mask).__name__}")
     elif attention_mask.dtype == torch.bool:
-        found = _structure(attention_mask, lq, lk, left)
-        if found is not None:
-            key_mask, window = found
-            alignment = "bottom_right"
-        else:
-            mask = attention_mask  # (b, 1|H, Lq, Lk): it holds causal, window and padding already
+        # (b, 1|H, Lq, Lk): it holds causal, window and padding already; the op runs it as
+        # that structure where it is exactly causal AND the window AND key padding (.structure)
+        mask = attention_mask
     else:
         bias = attention_mask.to(query.dtype)  # (b, 1|H, Lq, Lk) added to the logits
     if position_bias is not None:
@@ -163,9 +154,9 @@ def attention_forward(
         raise ValueError(f"softcap must be > 0 or None; got {softcap!r}")
     p, seed = _dropout(dropout)
     win = [] if window is None else [-1 if w is None else w for w in window]
-    out = sdpa_op(
-        query, key, value, bias, mask, key_mask, s_aux, None, seed, alignment,
-        None if scaling is None else float(scaling), None if softcap is None else float(softcap), win, p, "auto",
+    out = hf_sdpa_op(
+        query, key, value, bias, mask, s_aux, seed, alignment, None if scaling is None else float(scaling),
+        None if softcap is None else float(softcap), win, p, "auto", -1 if left is None else left,
     )[0]  # (B, H, Lq, Dv)
     return out.transpose(1, 2).contiguous(), None  # (B, Lq, H, Dv)
 
@@ -189,12 +180,15 @@ def _packed_forward(module, query, key, value, attention_mask, dropout, scaling,
     if left is not None and not causal:
         raise ValueError(f"attn_implementation='attngrad' cannot honour sliding_window={sliding_window} without "
                          "a causal rule on packed sequences")
-    if attention_mask is not None and not _mask_is_packed(attention_mask, query, key, cu_q, cu_k, causal, left):
-        raise ValueError(
-            "attn_implementation='attngrad' cannot honour an attention_mask that forbids pairs "
-            "cu_seq_lens_q / cu_seq_lens_k allow (each sequence causal and windowed, batch 1); pass the "
-            "packed sequences without a mask, or the mask without them"
-        )
+    if attention_mask is not None:
+        ok = _mask_is_packed(attention_mask, query, key, cu_q, cu_k, causal, left)  # bool, or a 0-d bool tensor
+        why = ("attn_implementation='attngrad' cannot honour an attention_mask that forbids pairs "
+               "cu_seq_lens_q / cu_seq_lens_k allow (each sequence causal and windowed, batch 1); pass the "
+               "packed sequences without a mask, or the mask without them")
+        if isinstance(ok, torch.Tensor) and torch.compiler.is_compiling():
+            torch._assert_async(ok, why)  # checked when the graph runs (a RuntimeError), no graph break
+        elif not bool(ok):
+            raise ValueError(why)
     if s_aux is not None and not isinstance(s_aux, torch.Tensor):
         raise TypeError(f"s_aux (attention sinks) must be a tensor (H,); got {type(s_aux).__name__}")
     if softcap is not None and not softcap > 0:
@@ -217,9 +211,11 @@ def _packed_forward(module, query, key, value, attention_mask, dropout, scaling,
     return out.reshape(b, lq, h, out.shape[-1])
 
 
-def _mask_is_packed(mask, query, key, cu_q, cu_k, causal: bool, left) -> bool:
+def _mask_is_packed(mask, query, key, cu_q, cu_k, causal: bool, left):
     """Whether a boolean mask (1, 1|H, Lq, Lk) allows every pair the packed sequences' own
-    rule allows (the pairs across sequences it may allow too: the sequences cut them)."""
+    rule allows (the pairs across sequences it may allow too: the sequences cut them):
+    False from the shapes alone, else a 0-d bool tensor (not read here: a compiled graph
+    asserts it)."""
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 4:
         return False
     lq, lk = query.shape[2], key.shape[2]
@@ -246,4 +242,4 @@ def _mask_is_packed(mask, query, key, cu_q, cu_k, causal: bool, left) -> bool:
             rule &= kpos[None, :] <= pos[:, None]
         if left is not None:
             rule &= kpos[None, :] >= pos[:, None] - left
-    return not bool((rule[None] & ~mask[0]).any())
+    return ~(rule[None] & ~mask[0]).any()  # () bool
