@@ -303,20 +303,22 @@ def test_default_case_has_no_empty_sequence(flavor):
 
     seed = default_seed(flavor)
     kl = build_case(flavor, CheckConfig(flavors=(flavor,), seed=seed)).masks.key_lengths
-    assert kl is None or kl.min() > 0
-    assert default_seed("cross") == 1  # seed 0 pads sequence 1 of cross-attention to key length 0
+    assert kl is None or kl.min() >= 2  # no sequence of padding only, no one-key softmax
+    assert seed == 0  # attngrad check's own case (its key lengths are drawn in 2 .. Lk)
 
 
 def test_page_reads_in_order_and_fits(cross_page):
     html = cross_page
-    assert "seed 1, key lengths [7, 6]" in html and "key length 0" not in html
+    assert "seed 0, key lengths [7, 2]" in html and "key length 0" not in html
     # the symbol table folds, so the first equation comes before any symbol row is shown
     assert html.index('<details class="symbols">') < html.index('<div class="sym">') < html.index('<div class="eq">')
     assert ".graph svg { max-width: 100%" in html and "overflow-x: auto; border" not in html
-    # the numeric walkthrough is a section of the page, equal to derive --numeric's
-    from attngrad.formulas import numeric_walkthrough
+    # the numeric walkthrough is a section of the page, on the page's own case
+    from attngrad.check import build_case
+    from attngrad.report.flavor import case_walkthrough
 
-    assert "Numbers you can follow" in html and numeric_walkthrough("cross").html() in html
+    walk = case_walkthrough(build_case("cross", CheckConfig(flavors=("cross",))))
+    assert "Numbers you can follow" in html and walk.html() in html
 
 
 def test_p_heatmap_scale_is_its_own_range():
@@ -342,3 +344,74 @@ def test_graph_fits_a_page(tmp_path):
     write_graph("self", tmp_path / "g.png")
     w, _ = struct.unpack(">II", (tmp_path / "g.png").read_bytes()[16:24])
     assert w < 1900, w  # was 3465 px
+
+
+# ---------------------------------------------------------------- issue 50: one case, round-off, a shared scale
+
+
+def test_one_case_throughout(cross_page):
+    """The heatmaps, the numbers and the check table show the one case of `attngrad check`."""
+    from attngrad.check import build_case
+    from attngrad.report.flavor import case_walkthrough
+
+    case = build_case("cross", CheckConfig(flavors=("cross",), seed=0))
+    walk = case_walkthrough(case)
+    data = evaluate_flavor("cross", CheckConfig(flavors=("cross",), seed=0))
+    assert walk.sizes["B"] == 2 and walk.sizes["H"] == 2 and walk.sizes["key_lengths"] == [7, 2]
+    np.testing.assert_array_equal(walk["X"], case.inputs["X"])
+    np.testing.assert_array_equal(walk["G"], case.upstream)
+    np.testing.assert_allclose(walk["P_h"], data.env["P_h"], rtol=0, atol=0)  # the heatmaps' P
+    np.testing.assert_allclose(walk["dW_q"], data.env["dW_q"], rtol=0, atol=0)
+    assert "B = 2 sequences, H = 2 heads" in cross_page and "key lengths [7, 2]" in cross_page
+    assert cross_page.count("seed 0") >= 1 and "seed 1" not in cross_page
+
+
+def test_roundoff_gradients_are_marked_and_greyed(cross_page):
+    from attngrad.report.flavor import roundoff_note
+    from attngrad.report.svg import MUTED, colorize
+
+    data = evaluate_flavor("cross", CheckConfig(flavors=("cross",)))
+    db_k = data.env["db_k"]
+    assert 0 < np.max(np.abs(db_k)) < 1e-14  # 0 in exact arithmetic (every row of dS sums to 0)
+    assert roundoff_note(db_k, 4.0).startswith("0 up to round-off: max |entry| ")
+    assert roundoff_note(data.env["db_q"], 4.0) is None and roundoff_note(np.zeros(3), 4.0) is None
+    svg = cross_page[cross_page.index('aria-label="dL/db^K (8,)"') :]
+    svg = svg[: svg.index("</svg>")]
+    assert "0 up to round-off" in svg
+    others = cross_page[cross_page.index('aria-label="dL/db^Q (8,)"') :]
+    assert "round-off" not in others[: others.index("</svg>")]
+    grey = colorize(np.linspace(-1, 1, 9), "muted", -1, 1)  # greys only: R = G = B
+    assert np.all(grey[..., 0] == grey[..., 1]) and np.all(grey[..., 1] == grey[..., 2]) and len(MUTED) == 5
+    assert "dL/db^K <span class=\"roundoff\">(0 up to round-off)</span>" in cross_page  # the check table
+
+
+def test_shared_colour_scale_for_attention_maps(tmp_path):
+    import re
+
+    own = flavor_report("self", check=False)
+    shared = flavor_report("self", check=False, shared_scale=True)
+
+    def p_tops(html):  # the top label of each P map's colour bar
+        maps = re.findall(r'aria-label="P \(probabilities\)[^"]*".*?</svg>', html, flags=re.S)
+        return [re.findall(r">([0-9.e-]+)</text>", m)[-3] for m in maps]
+
+    assert set(p_tops(shared)) == {"1"} and len(p_tops(shared)) == 4
+    assert "1" not in p_tops(own)
+    assert "Every P map shares one colour scale, 0 to 1" in shared
+    # the run page too
+    from attngrad.report import run_report, save_attention_snapshot
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0, "time": 0.1, "tokens": 8}\n')
+    p = np.full((1, 1, 3, 3), 0.2)
+    p[..., 0] = 0.6
+    save_attention_snapshot({"decoder_causal": [p]}, {"decoder_causal": ("abc", "abc")}, run, 1)
+    assert ">0.6<" in run_report(run) and ">1<" not in run_report(run).split("Attention maps")[1]
+    assert ">1<" in run_report(run, shared_scale=True).split("Attention maps")[1]
+
+
+def test_cli_report_shared_scale(tmp_path):
+    out = tmp_path / "r.html"
+    assert main(["report", "--flavor", "causal", "--no-check", "--shared-scale", "-o", str(out)]) == 0
+    assert "Every P map shares one colour scale, 0 to 1" in out.read_text()

@@ -31,8 +31,11 @@ def register(sub) -> None:
     p.add_argument("-o", "--output", type=Path, default=None, metavar="FILE.html",
                    help="output file (required with --flavor; default DIR/report.html with --run)")
     p.add_argument("--seed", type=int, default=None,
-                   help="seed of the flavor's case (default: the first seed whose sequences all have a "
-                        "real key, so that no heatmap is blank: self 0, cross 1, causal 1)")
+                   help="seed of the flavor's case (default 0: attngrad check's case); the heatmaps, the "
+                        "numbers and the check table all show this one case")
+    p.add_argument("--shared-scale", action="store_true",
+                   help="draw every attention map on one 0-1 colour scale (default: each map from 0 to "
+                        "its largest probability)")
     p.add_argument("--variant", type=parse_variants, default=None, metavar="NAMES",
                    help="with --flavor: add the derivations of these variants, 'all' (V1-V7) or a comma "
                         f"list of {','.join(ALL_VARIANTS)}, as `attngrad derive --variant` prints them")
@@ -61,7 +64,7 @@ def run(args) -> int:
             raise ValueError(f"--run: no such folder: {args.run}")
         out = args.output or args.run / "report.html"
         _writable(out)
-        html = run_report(args.run)
+        html = run_report(args.run, shared_scale=args.shared_scale)
     else:
         if args.output is None:
             raise ValueError("-o FILE.html is required with --flavor")
@@ -80,7 +83,8 @@ def run(args) -> int:
         if shutil.which("dot") is None:
             print("attngrad report: note: Graphviz's dot is not installed (apt-get install graphviz): "
                   "the page says so instead of drawing the graph", file=sys.stderr)
-        html = flavor_report(flavor, seed=args.seed, check=args.check, variants=args.variant)
+        html = flavor_report(flavor, seed=args.seed, check=args.check, variants=args.variant,
+                             shared_scale=args.shared_scale)
     write_atomic(out, html)
     print(f"wrote {out} ({len(html.encode()) / 1024:.0f} KiB)")
     return 0

@@ -1,12 +1,15 @@
 """``attngrad report --flavor F``: one self-contained HTML page for one attention flavor.
 
-Everything on it comes from the library, nothing is typed twice:
+Everything on it comes from the library, nothing is typed twice, and one case runs through
+it all:
 - the equations are the catalogue's formula trees (:mod:`attngrad.formulas`, the trees
   ``derive`` prints and the tests evaluate), rendered as MathML;
 - the graph is ``attngrad.formulas.graph_dot`` laid out by Graphviz (``dot -Tsvg``);
 - the heatmaps are those same trees *evaluated* on the seeded case of ``attngrad check``
   (``check.build_case``), and the page states how far their values are from
-  ``mha_backward``'s;
+  ``mha_backward``'s; a tensor that is 0 up to round-off (dL/db^K) is drawn in greys and
+  says so;
+- the numbers (``numeric_walkthrough``) are that same case's, every intermediate;
 - the check table is ``check.run_check`` on that case.
 """
 
@@ -25,6 +28,7 @@ from ..check.runner import REL_FLOOR, case_scale, errors
 from ..formulas import catalogue, evaluate_catalogue, graph_dot, layer_env, numeric_walkthrough
 from ..formulas.catalogue import FLAVOR_TITLES, FLAVORS
 from ..formulas.document import MASKS_AND_SCALE, derive_document
+from ..formulas.numeric import zero_up_to_roundoff
 from ..formulas.variants import variant_keys
 from .html import esc, page, table
 from .mathml import formula_mathml, symbol_mathml
@@ -100,8 +104,22 @@ def _variants(variants) -> str:
             f'<pre class="derive">{esc(derive_document(variants=tuple(variants)))}</pre>')
 
 
-def _heatmaps(data: FlavorData) -> str:
+def roundoff_note(g, scale: float) -> str | None:
+    """The note of a tensor that is 0 up to round-off (None for any other)."""
+    if not zero_up_to_roundoff(g, scale):
+        return None
+    return f"0 up to round-off: max |entry| {float(np.max(np.abs(g))):.1e}"
+
+
+def _gradient_map(g, scale: float, **kw) -> str:
+    """A diverging heatmap of a gradient; muted greys, with a note, where it is round-off."""
+    note = roundoff_note(g, scale)
+    return heatmap(g, kind="muted" if note else "diverging", note=note, **kw)
+
+
+def _heatmaps(data: FlavorData, shared_scale: bool = False) -> str:
     env, case = data.env, data.case
+    scale = max(float(np.max(np.abs(env[_GRAD_SYMBOL[n]]))) for n in data.library_rel_err)
     lq, lk = case.lengths()
     b, h = env["P_h"].shape[:2]
     ql, kl = [f"{i}" for i in range(lq)], [f"{j}" for j in range(lk)]
@@ -109,9 +127,14 @@ def _heatmaps(data: FlavorData) -> str:
     out = ["<h2>Attention and its gradients, per sequence and head</h2>",
            '<p class="note">P (A2), dP (A5) and dS (A7) evaluated from the formula trees above on the '
            "seeded case of <code>attngrad check</code>; masked entries of P are exactly 0, and so are "
-           "those of dS. P's colour scale runs from 0 to the largest probability of its map (a row of "
-           "n keys averages 1/n, so a 0–1 scale would look uniformly dark). Blue negative, red "
-           "positive, white 0 (dP, dS).</p>"]
+           "those of dS. "
+           + ("Every P map shares one colour scale, 0 to 1 (<code>--shared-scale</code>), so maps compare "
+              "with each other. " if shared_scale else
+              "P's colour scale runs from 0 to the largest probability of its map (a row of n keys "
+              "averages 1/n, so a 0–1 scale would look uniformly dark; <code>--shared-scale</code> "
+              "puts every map on 0–1). ")
+           + "Blue negative, red positive, white 0 (dP, dS); a tensor that is 0 up to round-off "
+           "(&lt; 1e-11 × the case's largest gradient) is drawn in greys and says so.</p>"]
     for bi in range(b):
         for hi in range(h):
             kl_note = "" if case.masks.key_lengths is None else f" (key length {int(case.masks.key_lengths[bi])})"
@@ -119,11 +142,14 @@ def _heatmaps(data: FlavorData) -> str:
             for name, title, kind in (("P_h", "P (probabilities)", "sequential"),
                                       ("dP_h", "dP = dO Vᵀ", "diverging"),
                                       ("dS_h", "dS = P ∘ (dP − δ 1ᵀ)", "diverging")):
-                top = float(np.max(env[name][bi, hi])) if kind == "sequential" else None
-                vmin, vmax = (0.0, top if top and top > 0 else 1.0) if kind == "sequential" else (None, None)
-                out.append(heatmap(env[name][bi, hi], title=f"{title}, b={bi} h={hi}",
-                                   xlabel=kl_name, ylabel="query i", xlabels=kl, ylabels=ql,
-                                   kind=kind, vmin=vmin, vmax=vmax))
+                a = env[name][bi, hi]
+                labels = {"title": f"{title}, b={bi} h={hi}", "xlabel": kl_name, "ylabel": "query i",
+                          "xlabels": kl, "ylabels": ql}
+                if kind == "sequential":
+                    top = 1.0 if shared_scale else float(np.max(a))
+                    out.append(heatmap(a, kind=kind, vmin=0.0, vmax=top if top > 0 else 1.0, **labels))
+                else:
+                    out.append(_gradient_map(a, scale, **labels))
             out.append("</div>")
     out.append("<h2>Parameter and input gradients</h2>"
                '<p class="note">Every gradient of L = Σ G ∘ Y, from the formula trees (M5, M7–M10); '
@@ -131,28 +157,34 @@ def _heatmaps(data: FlavorData) -> str:
                '<div class="figs">')
     for name in ("W_q", "W_k", "W_v", "W_o"):
         g = env["d" + name]
-        out.append(heatmap(g, title=f"{PRETTY[name]} {g.shape}", xlabel="output column",
-                           ylabel="input row", kind="diverging"))
+        out.append(_gradient_map(g, scale, title=f"{PRETTY[name]} {g.shape}", xlabel="output column",
+                                 ylabel="input row"))
     for name in ("b_q", "b_k", "b_v", "b_o"):
         if "d" + name in env:
             g = env["d" + name]
-            out.append(heatmap(g, title=f"{PRETTY[name]} {g.shape}", xlabel="entry", ylabel="",
-                               kind="diverging", max_px=260))
+            out.append(_gradient_map(g, scale, title=f"{PRETTY[name]} {g.shape}", xlabel="entry", ylabel="",
+                                     max_px=260))
     for name, rows in (("X", "query position"), ("M", "encoder position")):
         if "d" + name in env:
             for bi in range(b):
                 g = env["d" + name][bi]
-                out.append(heatmap(g, title=f"{PRETTY[name]}, sequence b={bi}", xlabel="feature e",
-                                   ylabel=rows, kind="diverging"))
+                out.append(_gradient_map(g, scale, title=f"{PRETTY[name]}, sequence b={bi}",
+                                         xlabel="feature e", ylabel=rows))
     out.append("</div>")
     return "".join(out)
 
 
-def _check_table(cfg: CheckConfig) -> str:
+def _check_table(cfg: CheckConfig, data: FlavorData) -> str:
     rep = run_check(cfg)
+    env = data.env
+    scale = max(float(np.max(np.abs(env[_GRAD_SYMBOL[n]]))) for n in data.library_rel_err)
+    roundoff = {n for n in data.library_rel_err if roundoff_note(env[_GRAD_SYMBOL[n]], scale)}
     rows, classes = [], []
     for r in rep.records:
-        rows.append([esc(PRETTY.get(r.gradient, r.gradient)), esc(str(tuple(r.shape))), esc(r.reference),
+        name = esc(PRETTY.get(r.gradient, r.gradient))
+        if r.gradient in roundoff:
+            name += ' <span class="roundoff">(0 up to round-off)</span>'
+        rows.append([name, esc(str(tuple(r.shape))), esc(r.reference),
                      f"{r.max_abs_err:.2e}", f"{r.max_rel_err:.2e}", esc(r.tolerance),
                      "pass" if r.passed else "FAIL"])
         classes.append(["", "", "", "num", "num", "", "pass" if r.passed else "fail"])
@@ -162,15 +194,17 @@ def _check_table(cfg: CheckConfig) -> str:
     notes = "".join(f'<p class="note">note: {esc(n)}</p>' for n in rep.notes)
     return ("<h2>Check: closed form vs PyTorch autograd and finite differences</h2>"
             '<p class="note">The library call behind <code>attngrad check</code> on this case: '
-            "max rel err = max|a − r| / max(max|r|, 1e-4 · largest gradient of the case).</p>"
+            "max rel err = max|a − r| / max(max|r|, 1e-4 · largest gradient of the case), so a "
+            "gradient that is 0 up to round-off is judged against that floor.</p>"
             + table(["gradient", "shape", "reference", "max abs err", "max rel err", "tolerance", "result"],
                     rows, classes) + verdict + notes)
 
 
 def default_seed(flavor: str) -> int:
     """The report's default case: the first seed (0, 1, …) whose sequences all have at least
-    one real key (``attngrad check``'s cases may pad a sequence to key length 0, whose
-    heatmaps would be blank)."""
+    one real key (a sequence of padding only would blank its heatmaps).  ``attngrad
+    check``'s cases pad no sequence to 0 keys, so this is seed 0, the case ``attngrad
+    check`` prints."""
     for seed in range(100):
         kl = build_case(flavor, CheckConfig(flavors=(flavor,), seed=seed)).masks.key_lengths
         if kl is None or int(np.min(kl)) > 0:
@@ -178,18 +212,29 @@ def default_seed(flavor: str) -> int:
     return 0
 
 
-def _walkthrough(flavor: str) -> str:
-    walk = numeric_walkthrough(flavor)
+def case_walkthrough(case):
+    """The numeric walkthrough of a check case: the report's numbers are its heatmaps' case."""
+    return numeric_walkthrough(case.flavor, x=case.inputs["X"], m=case.inputs.get("M"), params=case.params,
+                               g=case.upstream, num_heads=case.num_heads, key_lengths=case.masks.key_lengths)
+
+
+def _walkthrough(case) -> str:
+    walk = case_walkthrough(case)
     return ("<h2>Numbers you can follow</h2>"
-            '<p class="note">Every intermediate of a tiny case, beside its equation tag: what '
-            f"<code>attngrad derive --numeric --flavor {esc(flavor)}</code> prints "
-            "(<code>attngrad.formulas.numeric_walkthrough</code>).</p>" + walk.html())
+            '<p class="note">Every intermediate of the case above (the heatmaps\' and the check\'s), '
+            "beside its equation tag (<code>attngrad.formulas.numeric_walkthrough</code>; "
+            "<code>attngrad derive --numeric --inputs case.npz</code> prints it for a case of yours).</p>"
+            f'<details class="walk"><summary>{len(walk.steps)} steps, from X to '
+            f'{"dM" if case.flavor == "cross" else "dX"}</summary>{walk.html()}</details>')
 
 
-def flavor_report(flavor: str, *, seed: int | None = None, check: bool = True, variants=None) -> str:
+def flavor_report(flavor: str, *, seed: int | None = None, check: bool = True, variants=None,
+                  shared_scale: bool = False) -> str:
     """The HTML page of one flavor (a string, an :class:`~.html.HTMLPage` that a notebook
     displays).  ``seed`` None: :func:`default_seed`.  ``variants``: names of
-    ``core.variants.ALL_VARIANTS`` (or "all": V1-V7) whose derivations the page adds."""
+    ``core.variants.ALL_VARIANTS`` (or "all": V1-V7) whose derivations the page adds.
+    ``shared_scale``: every attention map on one 0–1 colour scale (default: each from 0 to
+    its largest probability)."""
     if flavor not in FLAVORS:
         raise ValueError(f"flavor must be one of {', '.join(FLAVORS)}; got {flavor!r}")
     if variants is not None:
@@ -218,12 +263,12 @@ def flavor_report(flavor: str, *, seed: int | None = None, check: bool = True, v
     else:
         body.append('<p class="note">Solid: forward, labelled with its formula; dashed red: backward, '
                     f'labelled with the local gradient.</p><div class="graph">{svg}</div>')
-    body.append(_heatmaps(data))
+    body.append(_heatmaps(data, shared_scale))
     if variants is not None:
         body.append(_variants(tuple(variants) if not isinstance(variants, str) else (variants,)))
-    body.append(_walkthrough(flavor))
+    body.append(_walkthrough(case))
     if check:
-        body.append(_check_table(cfg))
+        body.append(_check_table(cfg, data))
     body.append('<p class="muted">Written by <code>attngrad report</code>. Self-contained: no script, '
                 "no network; equations in MathML, figures in SVG.</p>")
     return page(f"attngrad report: {flavor}", "\n".join(body))

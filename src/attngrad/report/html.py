@@ -37,6 +37,8 @@ td.pass { color: #1a7f37; font-weight: bold; } td.fail { color: #cf222e; font-we
 details.symbols { margin: .6em 0; } details.symbols summary { cursor: pointer; color: #0969da; }
 .walkthrough td.tag { color: #57606a; white-space: nowrap; }
 .walkthrough pre { margin: 0; padding: 2px 4px; white-space: pre; }
+.roundoff { color: #6e7781; font-style: italic; font-size: .9em; margin: 0; }
+details.walk summary { cursor: pointer; color: #0969da; }
 code, pre { font-family: "DejaVu Sans Mono", monospace; font-size: .9em; background: #f6f8fa; }
 pre { padding: .6em; overflow-x: auto; white-space: pre-wrap; }
 """

@@ -150,13 +150,16 @@ def _pick(n: int, k: int = 5) -> list:
     return sorted({round(i * (n - 1) / (k - 1)) for i in range(k)}) if n > k else list(range(n))
 
 
-def _attention(out, snaps: list) -> str:
+def _attention(out, snaps: list, shared_scale: bool = False) -> str:
     lab_path = Path(out) / "attention" / "labels.json"
     labels = json.loads(lab_path.read_text()) if lab_path.exists() else {}
     html = ["<h2>Attention maps as training goes</h2>",
             '<p class="note">One fixed held-out example, teacher-forced, at step 0 (the random '
             "start: no attention labels, only the task loss trains W^Q, W^K, W^V) and at evaluation "
-            "steps; rows are queries, columns keys; each row sums to 1.</p>"]
+            "steps; rows are queries, columns keys; each row sums to 1. "
+            + ("Every map shares one colour scale, 0 to 1.</p>" if shared_scale else
+               "Each map's colour scale runs from 0 to its largest weight (<code>attngrad report --run DIR "
+               "--shared-scale</code>: one 0–1 scale for all).</p>")]
     chosen = [snaps[i] for i in _pick(len(snaps))]
     names = list(dict.fromkeys(n for _, per in snaps for n in per))
     for name in names:
@@ -168,7 +171,7 @@ def _attention(out, snaps: list) -> str:
             html.append(f"<p><b>step {step}</b></p><div class=\"figs\">")
             for layer, maps in enumerate(per[name]):
                 for h, m in enumerate(maps):
-                    top = float(np.max(m)) if m.size else 0.0  # each map on 0..its largest weight
+                    top = 1.0 if shared_scale else float(np.max(m)) if m.size else 0.0  # 0..its largest weight
                     html.append(heatmap(m, title=f"step {step}: layer {layer} head {h}", xlabel="key",
                                         ylabel="query", xlabels=k, ylabels=q, vmin=0.0,
                                         vmax=top if top > 0 else 1.0, max_px=200))
@@ -176,8 +179,9 @@ def _attention(out, snaps: list) -> str:
     return "".join(html)
 
 
-def run_report(out) -> str:
-    """The HTML page of the run in folder ``out``."""
+def run_report(out, *, shared_scale: bool = False) -> str:
+    """The HTML page of the run in folder ``out``.  ``shared_scale``: every attention map on
+    one 0–1 colour scale (default: each from 0 to its largest weight)."""
     out = Path(out)
     mpath = out / "metrics.jsonl"
     if not mpath.exists():
@@ -223,12 +227,13 @@ def run_report(out) -> str:
     body.append("<h2>Curves</h2>" + _curves(metrics, text, unit))
     snaps = load_snapshots(out)
     if snaps:
-        body.append(_attention(out, snaps))
+        body.append(_attention(out, snaps, shared_scale))
     body.append('<p class="muted">Written by <code>attngrad train</code> / <code>attngrad report --run</code>. '
                 "Self-contained: no script, no network.</p>")
     return page(f"attngrad train: {out.name}", "\n".join(body))
 
 
-def write_run_report(out, path=None) -> Path:
+def write_run_report(out, path=None, *, shared_scale: bool = False) -> Path:
     """Write :func:`run_report` to ``path`` (default ``out/report.html``)."""
-    return write_atomic(Path(out) / "report.html" if path is None else path, run_report(out))
+    return write_atomic(Path(out) / "report.html" if path is None else path,
+                        run_report(out, shared_scale=shared_scale))

@@ -31,7 +31,9 @@ def _lut(stops, n: int = 256) -> np.ndarray:
     return np.round(rgb[lo] * (1 - w) + rgb[lo + 1] * w).astype(np.uint8)
 
 
-_LUTS = {"sequential": _lut(VIRIDIS), "diverging": _lut(DIVERGING)}
+# a tensor that is 0 up to round-off: its noise drawn in greys, lighter than any colour
+MUTED = ("#9a9a9a", "#c8c8c8", "#f4f4f4", "#c8c8c8", "#9a9a9a")
+_LUTS = {"sequential": _lut(VIRIDIS), "diverging": _lut(DIVERGING), "muted": _lut(MUTED)}
 
 
 def png_bytes(rgb: np.ndarray) -> bytes:
@@ -75,16 +77,20 @@ def _text(x, y, s, size=11, anchor="middle", extra="") -> str:
 
 
 def heatmap(a, *, title: str, xlabel: str, ylabel: str, xlabels=None, ylabels=None,
-            kind: str = "sequential", vmin=None, vmax=None, max_px: int = 220) -> str:
+            kind: str = "sequential", vmin=None, vmax=None, max_px: int = 220, note: str | None = None) -> str:
     """An SVG heatmap of ``a`` (R, C) (a vector is one row).  ``kind`` "sequential"
-    (viridis, vmin..vmax, default the data range) or "diverging" (symmetric about 0)."""
+    (viridis, vmin..vmax, default the data range), "diverging" (symmetric about 0) or
+    "muted" (diverging in greys: a tensor that is 0 up to round-off).  ``note``: a line
+    under the title (grey, italic)."""
+    if kind not in _LUTS:
+        raise ValueError(f"kind must be one of {', '.join(_LUTS)}; got {kind!r}")
     a = np.asarray(a, dtype=np.float64)
     a = a.reshape(1, -1) if a.ndim == 1 else a
     if a.ndim != 2:
         raise ValueError(f"heatmap needs a matrix; got shape {a.shape}")
     rows, cols = a.shape
     finite = a[np.isfinite(a)]
-    if kind == "diverging":
+    if kind in ("diverging", "muted"):
         m = float(np.max(np.abs(finite))) if finite.size else 0.0
         m = m if m > 0 else 1.0
         vmin, vmax = -m, m
@@ -96,7 +102,7 @@ def heatmap(a, *, title: str, xlabel: str, ylabel: str, xlabels=None, ylabels=No
     show_x = xlabels is not None and cell >= 8
     show_y = ylabels is not None and cell >= 8
     ylab_w = 7 * max((len(str(s)) for s in ylabels), default=1) if show_y else 14
-    left, top = 24 + ylab_w, 30
+    left, top = 24 + ylab_w, 30 + (14 if note else 0)
     bottom = 44 if show_x else 40
     cb_x = left + w + 12
     width, height = cb_x + 12 + 52, top + max(h, 60) + bottom
@@ -106,6 +112,7 @@ def heatmap(a, *, title: str, xlabel: str, ylabel: str, xlabels=None, ylabels=No
            f'viewBox="0 0 {width} {height}" role="img" aria-label="{escape(title)}">',
            f"<title>{escape(title)}</title>",
            _text(width / 2, 16, title, 12, extra='font-weight="bold"'),
+           *([_text(width / 2, 30, note, 10, extra='fill="#6e7781" font-style="italic"')] if note else []),
            f'<image x="{left}" y="{top}" width="{w}" height="{h}" href="{_data_uri(img)}"/>',
            f'<rect x="{left}" y="{top}" width="{w}" height="{h}" fill="none" stroke="#444" stroke-width="0.6"/>']
     # x ticks: every label when they fit, else a few indices
