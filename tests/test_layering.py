@@ -24,6 +24,7 @@ LAYERS = (
     "_version",  # the version string, read by the package init and the CLI
     "runtime",  # the CPU runtime: array checks, worker pool, workspace, BLAS, compiled kernels
     "resources",  # memory and time estimates against the machine
+    "scores",  # score and mask functions as expressions: traced, derived, printed, evaluated
     "core",  # the attention maths
     "layers",
     "models",

@@ -1,0 +1,24 @@
+"""Score and mask functions as data: traced, derived, printed and evaluated (FX1-FX3).
+
+FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx)`` and ``mask_mod(b, h, q_idx,
+kv_idx)`` are traced once on symbols (:mod:`.trace`, :mod:`.symbols`: Python operators,
+NumPy or PyTorch) into an expression form of attngrad's own (:mod:`.nodes`, built and
+simplified by :mod:`.algebra`), differentiated symbolically (:mod:`.derivative`,
+:mod:`.derived`), printed (:mod:`.render`) and evaluated tile by tile with one NumPy
+operation per node (:mod:`.program`).  The attention paths that take them are in
+:mod:`attngrad.core.flex`; the built-in variants written as score and mask functions are
+in :mod:`.variants`.
+"""
+
+from .derived import Derived, Read, derive
+from .nodes import BOOL, FLOAT, INDEX_NAMES, INT, Node
+from .program import Grid, Program, Values, scatter_add
+from .render import Names, latex, text
+from .symbols import ScoreModError, Symbol
+from .trace import Capture, Captured, Traced, captured, trace_mask, trace_score
+
+__all__ = [
+    "BOOL", "FLOAT", "INDEX_NAMES", "INT", "Capture", "Captured", "Derived", "Grid", "Names", "Node",
+    "Program", "Read", "ScoreModError", "Symbol", "Traced", "Values", "captured", "derive", "latex",
+    "scatter_add", "text", "trace_mask", "trace_score",
+]
