@@ -303,3 +303,19 @@ def test_every_keyword_transformers_passes_down_is_read():
     for name in set(TransformersKwargs.__annotations__) | set(FlashAttentionKwargs.__annotations__):
         assert (name in named or name in hf_attention.PACKED or name in hf_attention.REFUSED
                 or name in hf_attention.PASSED_DOWN), name
+
+
+@pytest.mark.slow
+def test_hf_compile_benchmark_smoke_run():
+    """benchmarks/hf_compile.py's plumbing on a tiny size (its timings are not checked)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "hf_compile.py"
+    res = subprocess.run([sys.executable, str(script), "--context", "16", "--batch", "2", "--layers", "1",
+                          "--hidden", "32", "--heads", "4", "--kv-heads", "2", "--window", "4", "--rounds", "2",
+                          "--warmup", "1"], capture_output=True, text=True, timeout=600, check=False)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "first losses equal (1e-5): True" in res.stdout
+    assert res.stdout.count("round ") == 2 and "ratio compiled / eager median" in res.stdout
