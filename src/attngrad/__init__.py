@@ -17,6 +17,7 @@ from .core import (
     sdpa_varlen_backward,
     sdpa_varlen_forward,
 )
+from .core.flex import flex_backward, flex_forward
 from .core.rope import RoPE, RoPECache, rope_backward, rope_forward
 from .grade import GradeReport, grade
 from .layers import (
@@ -42,6 +43,8 @@ __all__ = [
     "attention_weights",
     "conform",
     "dropout_mask",
+    "flex_backward",
+    "flex_forward",
     "grade",
     "get_num_threads",
     "init_mha_params",

@@ -15,10 +15,19 @@ from .nodes import BOOL, FLOAT, INDEX_NAMES, INT, Node
 from .program import Grid, Program, Values, scatter_add
 from .render import Names, latex, text
 from .symbols import ScoreModError, Symbol
-from .trace import Capture, Captured, Traced, captured, trace_mask, trace_score
+from .trace import (
+    Capture,
+    Captured,
+    Traced,
+    captured,
+    signature,
+    trace_mask,
+    trace_score,
+    without_values,
+)
 
 __all__ = [
     "BOOL", "FLOAT", "INDEX_NAMES", "INT", "Capture", "Captured", "Derived", "Grid", "Names", "Node",
     "Program", "Read", "ScoreModError", "Symbol", "Traced", "Values", "captured", "derive", "latex",
-    "scatter_add", "text", "trace_mask", "trace_score",
+    "scatter_add", "signature", "text", "trace_mask", "trace_score", "without_values",
 ]

@@ -303,3 +303,23 @@ def trace_score(fn) -> Traced:
 def trace_mask(fn) -> Traced:
     """Trace ``mask_mod(b, h, q_idx, kv_idx)`` (or return a :class:`Traced` as is)."""
     return _trace(fn, "mask")
+
+
+def signature(traced: Traced) -> str:
+    """A text that two traces share exactly when their expressions, arguments and captured
+    tensors' names, shapes, kinds and gradient flags are the same (a key for a compiled
+    op's table of traced functions; the captured values are not part of it)."""
+    from .nodes import walk
+
+    order = walk([traced.expr])
+    at = {id(n): i for i, n in enumerate(order)}
+    parts = [traced.kind, ",".join(traced.arg_names)]
+    parts += [f"{c.name}:{c.shape}:{c.kind}:{int(c.requires_grad)}" for c in traced.captured]
+    parts += [f"{n.op}|{n.kind}|{n.data!r}|{','.join(str(at[id(a)]) for a in n.args)}" for n in order]
+    return ";".join(parts)
+
+
+def without_values(traced: Traced) -> Traced:
+    """The same trace holding no captured values (kept in a table, it keeps no tensor alive)."""
+    caps = tuple(Capture(c.name, None, c.shape, c.kind, c.requires_grad) for c in traced.captured)
+    return Traced(traced.kind, traced.expr, caps, traced.arg_names, traced.name)

@@ -11,7 +11,9 @@ and ``torch.compile(fullgraph=True)``-clean) and :func:`attngrad.mha_forward` /
 ``impl="auto"`` (the tiled/compiled path where it pays); other devices the dense path.
 ``scaled_dot_product_attention`` also takes ``kv_indices=`` (top-k attention) and
 ``return_lse=True``; ``varlen_attention`` takes packed sequences (``flash_attn_varlen_func``'s
-layout, the ``attngrad::varlen`` op).
+layout, the ``attngrad::varlen`` op); ``flex_attention`` replaces
+``torch.nn.attention.flex_attention.flex_attention`` on CPU with a backward attngrad derives
+from the score function (the ``attngrad::flex`` op).
 
 Needs the ``torch`` extra: ``pip install 'attngrad[torch]'``.
 """
@@ -25,8 +27,9 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "attngrad.torch needs PyTorch; install it with: pip install 'attngrad[torch]'"
     ) from exc
 
+from attngrad.torch.flex import flex_attention
 from attngrad.torch.mha import MultiheadAttention
 from attngrad.torch.sdpa import scaled_dot_product_attention
 from attngrad.torch.varlen import varlen_attention
 
-__all__ = ["MultiheadAttention", "scaled_dot_product_attention", "varlen_attention"]
+__all__ = ["MultiheadAttention", "flex_attention", "scaled_dot_product_attention", "varlen_attention"]

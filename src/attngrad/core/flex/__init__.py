@@ -32,7 +32,7 @@ from .tiled import FlexTiledCache, Tiles
 __all__ = [
     "ABSENT", "FULL", "PARTIAL", "SKIP", "BlockTable", "FlexDenseCache", "FlexProblem", "FlexRun",
     "FlexTiledCache", "TileRule", "Tiles", "flex_backward", "flex_forward", "forward", "make_flex_problem",
-    "make_flex_run",
+    "make_flex_run", "max_logit",
 ]
 
 DEFAULT_BLOCK_Q = 128  # query rows per tile (PyTorch's BlockMask block)
@@ -72,8 +72,8 @@ def _tiles(prob: FlexProblem, run: FlexRun) -> Tiles:
 
 
 def forward(q, k, v, prob: FlexProblem, run: FlexRun):
-    """The forward of a validated problem: ``(out, cache, max_logit)``; max_logit (B, H)
-    in the inputs' dtype (ML1), -inf for a head with no valid score."""
+    """The forward of a validated problem: ``(out, cache, row_max)``; row_max (B, H, Lq)
+    float64, each row's largest valid score (ML1), -inf for a row with none."""
     sh = prob.shape
     q, k, v = (a.astype(prob.cdt, copy=False) for a in (q, k, v))
     rule = TileRule(prob)
@@ -85,7 +85,14 @@ def forward(q, k, v, prob: FlexProblem, run: FlexRun):
     else:
         cache, top = tiled.forward(q, k, v, prob, _tiles(prob, run), rule)
         out = cache.out.astype(prob.dtype, copy=True)  # (a copy: the caller may write into it)
-    return out, cache, top.astype(prob.dtype)
+    return out, cache, top
+
+
+def max_logit(row_max, dtype):
+    """(ML1) the (B, H) largest valid score of each head from the rows' (B, H, Lq)."""
+    B, H, Lq = row_max.shape
+    top = row_max.max(axis=2) if Lq else np.full((B, H), -np.inf)
+    return top.astype(dtype)
 
 
 def flex_forward(q, k, v, score_mod=None, mask_mod=None, scale=None, impl="auto", *, return_max_logit=False,
@@ -107,8 +114,8 @@ def flex_forward(q, k, v, score_mod=None, mask_mod=None, scale=None, impl="auto"
     if not isinstance(return_max_logit, bool):
         raise TypeError(f"return_max_logit must be True or False; got {return_max_logit!r}")
     prob = make_flex_problem(q, k, v, score_mod, mask_mod, scale)
-    out, cache, top = forward(q, k, v, prob, make_flex_run(impl, block_q, block_k, threads))
-    return (out, cache, top) if return_max_logit else (out, cache)
+    out, cache, rows = forward(q, k, v, prob, make_flex_run(impl, block_q, block_k, threads))
+    return (out, cache, max_logit(rows, prob.dtype)) if return_max_logit else (out, cache)
 
 
 def flex_lse(cache) -> np.ndarray:

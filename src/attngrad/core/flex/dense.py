@@ -74,7 +74,7 @@ def _mask_grid(prob, grid):
 
 
 def forward(q, k, v, prob: FlexProblem, rule: TileRule):
-    """Returns ``(out (B, H, Lq, Dv), cache, max_logit (B, H) float64)``."""
+    """Returns ``(out (B, H, Lq, Dv), cache, row_max (B, H, Lq) float64)`` (ML1)."""
     B, H, Hkv, Lq, Lk, D, Dv = prob.shape
     G = prob.shape.group
     allowed = allowed_entries(prob, rule)
@@ -92,9 +92,9 @@ def forward(q, k, v, prob: FlexProblem, rule: TileRule):
     s = s0.copy() if prob.fwd is None else _scores(prob, s0)  # (FX1)
     if allowed is not None:
         np.copyto(s, -np.inf, where=~allowed)  # (FX4)
-    with np.errstate(invalid="ignore"):
-        top = s.max(axis=(3, 4)).reshape(B, H).astype(np.float64) if Lq * Lk else np.full((B, H), -np.inf)  # (ML1)
-        m = s.max(axis=4, keepdims=True) if Lk else np.full((B, Hkv, G, Lq, 1), -np.inf)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        m = s.max(axis=4, keepdims=True) if Lk else np.full((B, Hkv, G, Lq, 1), -np.inf, s.dtype)
+        top = m.reshape(B, H, Lq).astype(np.float64)  # (ML1) each row's largest valid score
         shift = np.where(np.isfinite(m), m, 0)
         lse = (shift + np.log(np.exp(s - shift).sum(axis=4, keepdims=True, dtype=np.float64)))  # (FA1)
     p, _ = softmax_with_sinks(np, s, overwrite=True)  # (A2) masked entries are -inf: P = 0

@@ -61,7 +61,8 @@ def _kern(prob: FlexProblem):
 
 
 def forward(q, k, v, prob: FlexProblem, tiles: Tiles, rule: TileRule):
-    """Returns ``(cache, max_logit)``: max_logit (B, H) float64 (ML1)."""
+    """Returns ``(cache, row_max)``: row_max (B, H, Lq) float64, each row's largest valid
+    score, -inf for a row with none (ML1)."""
     B, H, _, Lq, Lk, _, Dv = prob.shape
     G = prob.shape.group
     bq, bk = tiles.block_q, tiles.block_k
@@ -70,7 +71,7 @@ def forward(q, k, v, prob: FlexProblem, tiles: Tiles, rule: TileRule):
     out = np.zeros((B, H, Lq, Dv), odt)  # (B, H, Lq, Dv)
     lse = np.full((B, H, Lq), -np.inf, odt)  # (B, H, Lq)
     nkeys = np.zeros((B, H, Lq), np.int64)  # allowed keys per row
-    top = np.full((B, H), -np.inf)  # (B, H) the largest valid score (ML1)
+    top = np.full((B, H, Lq), -np.inf)  # (B, H, Lq) the largest valid score of each row (ML1)
     kern = _kern(prob)
     bufs: dict = {}
 
@@ -109,8 +110,7 @@ def forward(q, k, v, prob: FlexProblem, tiles: Tiles, rule: TileRule):
             with np.errstate(divide="ignore", invalid="ignore"):
                 acc /= np.where(has, l, 1)[:, None]  # (A3) O = acc / l
                 lse[b, h, q0:q1] = np.where(has, m + np.log(np.where(has, l, 1), dtype=odt), -np.inf)  # (FA1)
-            if m.size:
-                top[b, h] = max(top[b, h], float(m.max())) if not np.isnan(m).any() else np.nan  # (ML1)
+            top[b, h, q0:q1] = m  # (ML1) the running max is the row's largest valid score
 
     run_units(work, B * H, tiles.threads)
     flat = nkeys < 2
