@@ -6,6 +6,8 @@
   from the ```text block shown under the code, fails the build; a block that prints with
   no ```text block under it gets one, so the site shows every output.  A page that imports
   torch or jax is left unexecuted (with a note in the log) where that package is missing.
+- Each notebook of docs/notebooks/ is also a page (``on_files``): its cells run as shipped,
+  each followed by what it prints and displays (tests/test_grade_notebook.py renders it).
 - A relative link that leaves docs/ (e.g. ../../data/almanac.txt) would break the strict
   build: it is rewritten to the path in code font.
 """
@@ -30,6 +32,10 @@ executor = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(executor)
 
 EXECUTED = ("guide/", "tutorials/")
+# the notebooks' renderer (tests/test_grade_notebook.py): a notebook as a page, its cells run
+_nb_spec = importlib.util.spec_from_file_location("_attngrad_notebooks", ROOT / "tests" / "test_grade_notebook.py")
+notebooks = importlib.util.module_from_spec(_nb_spec)
+_nb_spec.loader.exec_module(notebooks)
 LINK = re.compile(r"(?<!!)\[([^\]]*)\]\((?!https?:|#|mailto:)([^)\s]+)\)")
 
 
@@ -65,6 +71,17 @@ def run_page(text: str, name: str) -> str:
             os.chdir(cwd)
     out.append(text[pos:])
     return "".join(out)
+
+
+def on_files(files, config):
+    """Each notebook of docs/notebooks/ also becomes a page, notebooks/NAME.md: its cells run
+    as shipped, each with what it displays; the .ipynb itself stays, to download."""
+    from mkdocs.structure.files import File
+
+    for path in sorted((Path(config["docs_dir"]) / "notebooks").glob("*.ipynb")):
+        page = File.generated(config, f"notebooks/{path.stem}.md", content=notebooks.notebook_markdown(path))
+        files.append(page)
+    return files
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:

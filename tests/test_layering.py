@@ -34,6 +34,7 @@ LAYERS = (
     "check",
     "conform",
     "grade",  # attngrad grade: a learner's layer against the closed form
+    "grade",  # attngrad grade: a learner's layer against the closed form
     "train",  # data-parallel training included
     "report",
     "bench",

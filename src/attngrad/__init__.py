@@ -20,6 +20,7 @@ from .core import (
 from .core.flex import flex_backward, flex_forward
 from .core.rope import RoPE, RoPECache, rope_backward, rope_forward
 from .grade import GradeReport, grade
+from .grade import GradeReport, grade
 from .layers import (
     MHACache,
     init_mha_params,
@@ -32,6 +33,7 @@ from .runtime.threads import get_num_threads, set_num_threads
 
 __all__ = [
     "GradeReport",
+    "GradeReport",
     "MHACache",
     "MaskSpec",
     "RoPE",
@@ -43,6 +45,7 @@ __all__ = [
     "attention_weights",
     "conform",
     "dropout_mask",
+    "grade",
     "flex_backward",
     "flex_forward",
     "grade",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import textwrap
 from dataclasses import dataclass
 from html import escape
 
@@ -102,22 +103,22 @@ class GradeReport:
 
     def text(self) -> str:
         """The report as ``attngrad grade`` prints it."""
-        out = [f"attngrad grade: {self.flavor} — {self.title}", f"  {self.case}", f"  {self.tolerance}"]
+        out = [f"attngrad grade: {self.flavor} — {self.title}", _wrap(self.case, 2), _wrap(self.tolerance, 2)]
         head = f"{'key':<7} {'tensor':<9} {'tag':<6} {'shape':<14} {'max rel err':>11}  result"
         out += [head, "-" * len(head)]
         for r, hint in zip(self.graded, _hints(self.graded), strict=True):
-            err = "" if r.max_rel_err is None else f"{r.max_rel_err:.1e}"
+            err = _err(r.max_rel_err)
             out.append(f"{r.key:<7} {r.label:<9} {r.tag:<6} {_shape(r.shape):<14} {err:>11}  {r.status}")
             if r.status == FAIL:
                 if r.worst:
-                    out.append(f"{'':8}worst: {_worst(r.worst)}")
+                    out.append(_wrap(f"worst: {_worst(r.worst)}", 8))
                 if hint:
-                    out.append(f"{'':8}hint: {hint}")
-        out += _not_graded_lines(self.not_graded)
-        out += [f"note: {n}" for n in self.notes]
+                    out.append(_wrap(f"hint: {hint}", 8))
+        out += [_wrap(line, 0) for line in _not_graded_lines(self.not_graded)]
+        out += [_wrap(f"note: {n}", 0) for n in self.notes]
         if self.diagnosis:
-            out.append(f"diagnosis: {self.diagnosis}")
-        out.append(self.verdict())
+            out.append(_wrap(f"diagnosis: {self.diagnosis}", 0))
+        out.append(_wrap(self.verdict(), 0))
         return "\n".join(out)
 
     def __str__(self) -> str:
@@ -128,7 +129,7 @@ class GradeReport:
                f"{self.case}; {self.tolerance}", "",
                "| key | tensor | tag | shape | max rel err | result | why |", "|---|---|---|---|---|---|---|"]
         for r, hint in zip(self.graded, _hints(self.graded), strict=True):
-            err = "" if r.max_rel_err is None else f"{r.max_rel_err:.1e}"
+            err = _err(r.max_rel_err)
             why = "" if r.status != FAIL else "; ".join(x for x in (hint, r.worst and "worst: " + _worst(r.worst)) if x)
             out.append("| " + " | ".join(v.replace("|", "\\|") for v in (
                 r.key, r.label, r.tag, _shape(r.shape), err, r.status, why)) + " |")
@@ -144,7 +145,7 @@ class GradeReport:
         rows = []
         for r, hint in zip(self.graded, _hints(self.graded), strict=True):
             colour = "#1a7f37" if r.status == PASS else "#cf222e"
-            err = "" if r.max_rel_err is None else f"{r.max_rel_err:.1e}"
+            err = _err(r.max_rel_err)
             why = ""
             if r.status == FAIL:
                 why = "<br>".join(escape(x) for x in (hint, r.worst and "worst: " + _worst(r.worst)) if x)
@@ -156,10 +157,17 @@ class GradeReport:
         if self.diagnosis:
             extra.append(f"diagnosis: {self.diagnosis}")
         tail = "".join(f"<p>{escape(line)}</p>" for line in extra)
+        table = (f'<table style="border-collapse:collapse;font-size:90%"><thead><tr>{head}</tr></thead>'
+                 f"<tbody>{''.join(rows)}</tbody></table>") if rows else ""
         return (f'<div class="attngrad-grade"><p><b>attngrad grade</b>, {escape(self.flavor)}: '
-                f"{escape(self.verdict())}</p><p>{escape(self.case)}; {escape(self.tolerance)}</p>"
-                f'<table style="border-collapse:collapse;font-size:90%"><thead><tr>{head}</tr></thead>'
-                f"<tbody>{''.join(rows)}</tbody></table>{tail}</div>")
+                f'{escape(self.verdict())}</p><p style="font-size:85%;color:#57606a">{escape(self.case)}; '
+                f"{escape(self.tolerance)}</p>{table}{tail}</div>")
+
+
+def _wrap(line: str, indent: int) -> str:
+    """``line`` indented by ``indent`` and wrapped at 100 columns, its follow-on lines 2 deeper."""
+    return textwrap.fill(line, 100, initial_indent=" " * indent, subsequent_indent=" " * (indent + 2),
+                         break_long_words=False, break_on_hyphens=False)
 
 
 def _hints(rows: tuple) -> list:
@@ -172,6 +180,16 @@ def _hints(rows: tuple) -> list:
             shown.append(r.hint if r.status == FAIL else "")
             last = r.hint if r.status == FAIL and r.hint else last
     return shown
+
+
+ROUND_OFF = 1e-10  # a relative error below this is float64 round-off: shown as "< 1e-10"
+
+
+def _err(rel) -> str:
+    """A max rel err as shown: round-off as "< 1e-10" (its digits depend on the BLAS)."""
+    if rel is None:
+        return ""
+    return f"< {ROUND_OFF:.0e}" if rel < ROUND_OFF else f"{rel:.1e}"
 
 
 def _finite(v):
