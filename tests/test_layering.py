@@ -34,7 +34,6 @@ LAYERS = (
     "check",
     "conform",
     "grade",  # attngrad grade: a learner's layer against the closed form
-    "grade",  # attngrad grade: a learner's layer against the closed form
     "train",  # data-parallel training included
     "report",
     "bench",

@@ -20,7 +20,6 @@ from .core import (
 from .core.flex import flex_backward, flex_forward
 from .core.rope import RoPE, RoPECache, rope_backward, rope_forward
 from .grade import GradeReport, grade
-from .grade import GradeReport, grade
 from .layers import (
     MHACache,
     init_mha_params,
@@ -33,7 +32,6 @@ from .runtime.threads import get_num_threads, set_num_threads
 
 __all__ = [
     "GradeReport",
-    "GradeReport",
     "MHACache",
     "MaskSpec",
     "RoPE",
@@ -45,7 +43,6 @@ __all__ = [
     "attention_weights",
     "conform",
     "dropout_mask",
-    "grade",
     "flex_backward",
     "flex_forward",
     "grade",
