@@ -43,6 +43,7 @@ __all__ = [
     "attention_weights",
     "conform",
     "dropout_mask",
+    "grade",
     "flex_backward",
     "flex_forward",
     "grade",
