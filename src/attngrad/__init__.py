@@ -43,7 +43,6 @@ __all__ = [
     "attention_weights",
     "conform",
     "dropout_mask",
-    "grade",
     "flex_backward",
     "flex_forward",
     "grade",
