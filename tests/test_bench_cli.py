@@ -50,6 +50,31 @@ def test_table_shows_the_per_round_ratios(capsys):
     assert len(cells) == 10 and cells[8].endswith(")") and cells[9].endswith("%")
 
 
+def test_the_mixed_mode_is_reported_beside_the_settled_figures(capsys):
+    argv = ["bench", "--sizes", "16", "--causal", "no", "--rounds", "2", "--threads", "1", "--no-memory",
+            "--settle", "0", "--mixed", "--layer-shape", "2,16,8,2", "--contenders", "torch_sdpa,attngrad_tiled"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "mixed: median ms | mixed: per round |" in out and "back to back" in out
+    for name in ("attngrad_tiled", "attngrad_mha"):
+        row = next(line for line in out.splitlines() if f"| {name} |" in line)
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert len(cells) == 12 and float(cells[10]) > 0 and cells[11].endswith("x")
+    assert main([*argv, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert all(r["mixed_median_s"] > 0 for r in rows)
+    assert all("mixed_round_ratio_median" in r for r in rows if r["contender"] not in ("torch_sdpa", "torch_mha"))
+
+
+def test_the_mixed_steps_run_back_to_back_in_alternating_order():
+    from attngrad.bench.timing import time_round_robin
+
+    calls = []
+    steps = {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}
+    times = time_round_robin(steps, rounds=3, warmup=1, settle=5.0, mixed=True)  # settle ignored: no sleep
+    assert calls == ["a", "b", "b", "a", "a", "b", "b", "a"] and all(len(t) == 3 for t in times.values())
+
+
 def test_paired_ratios_cancel_a_drift_that_the_ratio_of_medians_keeps():
     """The machine runs 3x slower in rounds 3 and 4, and one spike hits the contender in round
     5; it is 10 % faster in every other round.  The medians (2.7 vs 1.0) say 2.7x."""
@@ -128,7 +153,8 @@ def test_memory_is_estimated_before_any_work():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [({"threads": -1}, "threads"), ({"threads": 0}, "threads"), ({"block_q": 0}, "block_q"),
-     ({"settle": float("inf")}, "settle"), ({"causal": ()}, "causal"), ({"memory_max_dense_n": 0}, "memory_max")],
+     ({"settle": float("inf")}, "settle"), ({"causal": ()}, "causal"), ({"memory_max_dense_n": 0}, "memory_max"),
+     ({"mixed": True, "timing": False}, "mixed"), ({"mixed": 1}, "mixed")],
 )
 def test_bench_config_refuses(kwargs, match):
     from attngrad.bench import BenchConfig

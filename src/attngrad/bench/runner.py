@@ -40,6 +40,7 @@ class BenchConfig:
     rounds: int = 5
     warmup: int = 1
     settle: float = 0.15
+    mixed: bool = False  # also time the contenders back to back, unsettled (reported beside)
     contenders: tuple = tuple(ATTENTION)
     memory: bool = True
     timing: bool = True  # False: memory only (e.g. a sweep to large N)
@@ -76,6 +77,10 @@ class BenchConfig:
         if (self.block_q is not None or self.block_k is not None) and "attngrad_tiled" not in self.contenders:
             raise ValueError("block_q and block_k set the tiles of attngrad_tiled, which is not among the "
                              f"contenders {', '.join(self.contenders)}: they cannot apply")
+        if not isinstance(self.mixed, bool):
+            raise TypeError(f"mixed must be a bool; got {type(self.mixed).__name__}")
+        if self.mixed and not self.timing:
+            raise ValueError("mixed times the contenders back to back: it needs timing, which is off")
         if not (self.memory or self.timing):
             raise ValueError("memory and timing are both off: the benchmark would measure nothing")
         for name in self.layer_contenders:
@@ -119,6 +124,8 @@ def _run_cases(result: BenchResult, cases: list, names: tuple, cfg: BenchConfig,
             steps = {name: contender(case.kind, name)(case) for name in names}
             times = time_round_robin(steps, rounds=cfg.rounds, warmup=cfg.warmup, settle=cfg.settle,
                                      primers={name: primer(name, case) for name in names})
+            if cfg.mixed:
+                mixed = time_round_robin(steps, rounds=cfg.rounds, warmup=cfg.warmup, mixed=True)
             del steps
         ref = REFERENCE[case.kind]
         for name in names:
@@ -131,6 +138,10 @@ def _run_cases(result: BenchResult, cases: list, names: tuple, cfg: BenchConfig,
                 row["vs_reference"] = row["median_s"] / float(np.median(times[ref]))
                 if name != ref:
                     row.update(paired_ratios(times[name], times[ref]))
+            if cfg.timing and cfg.mixed:
+                row["mixed_median_s"] = float(np.median(mixed[name]))
+                if ref in mixed and name != ref:
+                    row["mixed_round_ratio_median"] = paired_ratios(mixed[name], mixed[ref])["round_ratio_median"]
             if cfg.memory and (case.n <= cfg.memory_max_dense_n or not _keeps_nxn(name)):
                 row.update(measure(case, name))
             result.rows.append(row)
@@ -246,8 +257,9 @@ def format_bench(result: BenchResult) -> str:
         f"load average {env.get('loadavg_start', float('nan')):.2f} -> {env.get('loadavg_end', float('nan')):.2f}",
         "",
         "| shape | causal | contender | median ms | spread | GFLOP/s | peak extra MB | time vs ref "
-        "| per round: median (quartiles) | faster rounds |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| per round: median (quartiles) | faster rounds |" + (" mixed: median ms | mixed: per round |"
+                                                              if cfg.mixed else ""),
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if cfg.mixed else ""),
     ]
     for r in result.rows:
         shape = (f"B={r['batch']} H={r['heads']} N={r['n']} D={r['dim']}" if r["kind"] == "attention"
@@ -261,14 +273,22 @@ def format_bench(result: BenchResult) -> str:
         )
         rounds = (f"{r['round_ratio_median']:.2f}x ({r['round_ratio_q1']:.2f}-{r['round_ratio_q3']:.2f})",
                   f"{r['rounds_faster']:.0%}") if "round_ratio_median" in r else ("-", "-")
+        mixed = ""
+        if cfg.mixed:
+            m_ms, m_ratio = r.get("mixed_median_s"), r.get("mixed_round_ratio_median")
+            mixed = (f" {'-' if m_ms is None else f'{m_ms * 1e3:.1f}'} |"
+                     f" {'-' if m_ratio is None else f'{m_ratio:.2f}x'} |")
         lines.append(
             f"| {shape} | {'yes' if r['causal'] else 'no'} | {r['contender']} | {ms} | {spread} | "
-            f"{gf} | {mem_s} | {f'{ratio:.2f}x' if ratio else '-'} | {rounds[0]} | {rounds[1]} |"
+            f"{gf} | {mem_s} | {f'{ratio:.2f}x' if ratio else '-'} | {rounds[0]} | {rounds[1]} |{mixed}"
         )
     lines.append("")
     lines.append("ref = torch_sdpa (attention), torch_mha (layer); spread = (max - min) / median; "
                  "GFLOP/s = 12 N^2 D per head (halved for causal) / median time; time vs ref = the "
                  "ratio of the medians; per round = the contender's time over ref's in the same "
                  "round, so that the machine's drift between rounds cancels; faster rounds = the "
-                 "share of rounds in which the contender beat ref")
+                 "share of rounds in which the contender beat ref"
+                 + ("; mixed = the contenders timed again back to back, with no settling or priming "
+                    "between them (as a script that calls one library right after the other)"
+                    if cfg.mixed else ""))
     return "\n".join(lines)

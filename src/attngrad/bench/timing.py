@@ -10,6 +10,10 @@ torch's threads, as torch's own kernels run it; for the dense path on BLAS's thr
 the tiled path on each of its Python workers, through the BLAS its compiled loops call,
 single-threaded, as the loops call it (without those loops, a NumPy GEMM on one BLAS
 thread: a woken BLAS pool would spin on the workers' cores for ~0.1 s).
+
+The *mixed* mode (``attngrad bench --mixed``) times the same steps back to back instead, as
+a user's script that calls one library right after the other meets them: whatever thread
+pools the previous step left running are there.
 """
 
 from __future__ import annotations
@@ -60,18 +64,25 @@ def _primer(kind: str) -> Callable[[], None]:
 
 def time_round_robin(
     steps: dict[str, Step], *, rounds: int, warmup: int = 1, settle: float = 0.15,
-    primers: dict[str, str] | None = None,
+    primers: dict[str, str] | None = None, mixed: bool = False,
 ) -> dict[str, list[float]]:
     """Seconds of each timed call of each step: ``warmup`` untimed rounds, then ``rounds``.
-    ``primers``: each step's primer kind (:func:`.contenders.primer`), default by name."""
+    ``primers``: each step's primer kind (:func:`.contenders.primer`), default by name.
+    ``mixed``: the steps back to back, as a script that uses both libraries calls them: no
+    settling, no primer, no collection between them; the order of the steps reversed every
+    other round, so that each follows the others alike."""
     kinds = primers or {}
     wake = {name: _primer(kinds.get(name) or primer(name)) for name in steps}
     times: dict[str, list[float]] = {name: [] for name in steps}
     for r in range(warmup + rounds):
-        for name, step in steps.items():
-            gc.collect()
-            time.sleep(settle)
-            wake[name]()
+        order = list(steps.items())
+        if mixed and r % 2:
+            order.reverse()
+        for name, step in order:
+            if not mixed:
+                gc.collect()
+                time.sleep(settle)
+                wake[name]()
             t0 = time.perf_counter()
             step()
             dt = time.perf_counter() - t0

@@ -66,6 +66,7 @@ def register(sub) -> None:
     p.add_argument("--memory-max-dense-n", type=_positive_int, default=None, metavar="N", help="largest N at which contenders that keep N x N are measured (default 4096)")
     p.add_argument("--layer-shape", type=positive_ints, default=None, metavar="B,N,E,H", help="layer case (default 4,256,512,8)")
     p.add_argument("--settle", type=number_in(0.0, MAX_SETTLE), default=None, metavar="S", help="seconds of idle before each timed call, so other thread pools stop spinning (default 0.15)")
+    p.add_argument("--mixed", action="store_true", help="also time the contenders back to back with no settling or priming (as a script mixing PyTorch and attngrad calls them), reported beside the settled figures")
     p.add_argument("--quick", action="store_true", help="a short run: N=256,1024, 2 rounds")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
     p.set_defaults(func=run)
@@ -97,7 +98,7 @@ def run(args) -> int:
         sizes=sizes, causal=args.causal, batch=args.batch, heads=args.heads,
         head_dim=args.head_dim, dtype=args.dtype, threads=args.threads, block_q=args.block_q,
         block_k=args.block_k, rounds=rounds, contenders=args.contenders,
-        memory=args.memory, timing=args.timing, layer=args.layer, **given,
+        memory=args.memory, timing=args.timing, layer=args.layer, mixed=args.mixed, **given,
     )
     progress = None
     if estimate_seconds(cfg) > PROGRESS_AFTER:
