@@ -67,6 +67,7 @@ class Capture:
     shape: tuple
     kind: str  # "float", "int" or "bool"
     requires_grad: bool  # a float tensor whose gradient is wanted (torch: requires_grad; NumPy: every float)
+    path: tuple | None = None  # where the function reads it (:func:`fetch`), None if not by name
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,7 @@ class Tracer:
     """The state of one trace: the captured tensors found so far, and their names."""
 
     def __init__(self, names: dict):
-        self.names = names  # id(object) -> name
+        self.names = names  # id(object) -> (name, path)
         self.slots: dict = {}  # id(object) -> slot
         self.captured: list = []
 
@@ -113,10 +114,9 @@ class Tracer:
         found = self.slots.get(id(target))
         if found is not None:
             return found
+        name, path = self.names.get(id(target), (f"captured{len(self.captured)}", None))
         if isinstance(obj, Captured):
             name = obj.name
-        else:
-            name = self.names.get(id(target), f"captured{len(self.captured)}")
         shape = tuple(int(s) for s in (target.shape if hasattr(target, "shape") else np.shape(target)))
         kind = _kind_of(target.dtype if hasattr(target, "dtype") else np.asarray(target).dtype)
         grad = kind == FLOAT and (bool(target.requires_grad) if _is_torch(target) else True)
@@ -125,7 +125,7 @@ class Tracer:
         while name in taken:
             name, k = f"{base}_{k}", k + 1
         self.slots[id(target)] = len(self.captured)
-        self.captured.append(Capture(name, target, shape, kind, grad))
+        self.captured.append(Capture(name, target, shape, kind, grad, path))
         return self.slots[id(target)]
 
     def gather(self, tensor, index) -> Node:
@@ -178,44 +178,69 @@ class Tracer:
 
 
 def _names(fn) -> dict:
-    """id(object) -> name for what ``fn`` can reach by name (closure variables, globals it
-    reads), and one level into dicts, lists, tuples, objects and torch Modules there."""
+    """id(object) -> (name, path) for what ``fn`` can reach by name (closure variables,
+    globals it reads, ``self`` of a bound method), and one level into dicts, lists, tuples,
+    objects and torch Modules there.  A path fetches the object again from ``fn``
+    (:func:`fetch`): ("closure", i | "global", name | "self", ...), then ("attr", name) or
+    ("item", key) steps."""
     out: dict = {}
-    for var, value in _reachable(fn).items():
-        out.setdefault(id(value), var)
-        for sub, item in _members(value):
-            out.setdefault(id(item), f"{var}{sub}")
+    for var, value, path in _reachable(fn):
+        out.setdefault(id(value), (var, path))
+        for sub, item, step in _members(value):
+            out.setdefault(id(item), (f"{var}{sub}", (*path, *step)))
     return out
 
 
-def _reachable(fn) -> dict:
+def _reachable(fn) -> list:
+    found = []
+    if isinstance(fn, types.MethodType):
+        found.append(("self", fn.__self__, ("self", None)))
+        fn = fn.__func__
     code = getattr(fn, "__code__", None)
     if code is None:
-        return {}
-    found = {}
-    for var, cell in zip(code.co_freevars, fn.__closure__ or (), strict=False):
+        return found
+    seen = set()
+    for i, (var, cell) in enumerate(zip(code.co_freevars, fn.__closure__ or (), strict=False)):
         try:
-            found[var] = cell.cell_contents
+            found.append((var, cell.cell_contents, ("closure", i)))
+            seen.add(var)
         except ValueError:  # an empty cell
             pass
     g = getattr(fn, "__globals__", {})
     for var in code.co_names:
-        if var in g and var not in found:
-            found[var] = g[var]
+        if var in g and var not in seen:
+            found.append((var, g[var], ("global", var)))
     return found
 
 
 def _members(value):
+    """(name suffix, item, path steps) one level into ``value``."""
     if isinstance(value, dict):
-        return [(f"[{k!r}]", v) for k, v in value.items()]
+        return [(f"[{k!r}]", v, (("item", k),)) for k, v in value.items()]
     if isinstance(value, list | tuple):
-        return [(f"[{i}]", v) for i, v in enumerate(value)]
+        return [(f"[{i}]", v, (("item", i),)) for i, v in enumerate(value)]
     named = getattr(value, "named_parameters", None)
     if callable(named) and hasattr(value, "named_buffers"):
-        return [(f".{n}", p) for n, p in (*value.named_parameters(), *value.named_buffers())]
+        return [(f".{n}", p, tuple(("attr", part) for part in n.split(".")))
+                for n, p in (*value.named_parameters(), *value.named_buffers())]
     if isinstance(value, np.ndarray | types.ModuleType | type) or _is_torch(value) or callable(value):
         return []
-    return [(f".{k}", v) for k, v in getattr(value, "__dict__", {}).items() if _is_array(v)]
+    return [(f".{k}", v, (("attr", k),)) for k, v in getattr(value, "__dict__", {}).items() if _is_array(v)]
+
+
+def fetch(fn, path: tuple):
+    """The object at ``path`` (:func:`_names`) seen from ``fn``: a captured tensor read
+    again, e.g. inside a compiled graph."""
+    where, key, *steps = path
+    if where == "self":
+        obj = fn.__self__
+    elif where == "closure":
+        obj = (fn.__func__ if isinstance(fn, types.MethodType) else fn).__closure__[key].cell_contents
+    else:
+        obj = (fn.__func__ if isinstance(fn, types.MethodType) else fn).__globals__[key]
+    for step, name in steps:
+        obj = getattr(obj, name) if step == "attr" else obj[name]
+    return obj
 
 
 def _is_array(v) -> bool:
@@ -234,7 +259,7 @@ def _wrap_arrays(fn, tracer: Tracer):
         if isinstance(value, Captured):
             return Captured(value.name, value.array, tracer)
         if isinstance(value, np.ndarray) and value.ndim > 0:
-            return Captured(names.get(id(value), "captured"), value, tracer)
+            return Captured(names.get(id(value), ("captured", None))[0], value, tracer)
         if isinstance(value, dict) and any(isinstance(v, np.ndarray | Captured) for v in value.values()):
             return {k: swap(v) for k, v in value.items()}
         if isinstance(value, list | tuple) and any(isinstance(v, np.ndarray | Captured) for v in value):
@@ -321,5 +346,5 @@ def signature(traced: Traced) -> str:
 
 def without_values(traced: Traced) -> Traced:
     """The same trace holding no captured values (kept in a table, it keeps no tensor alive)."""
-    caps = tuple(Capture(c.name, None, c.shape, c.kind, c.requires_grad) for c in traced.captured)
+    caps = tuple(Capture(c.name, None, c.shape, c.kind, c.requires_grad, c.path) for c in traced.captured)
     return Traced(traced.kind, traced.expr, caps, traced.arg_names, traced.name)

@@ -21,9 +21,11 @@ Lq)).  ``impl``: "auto", "tiled" (O(N) memory) or "dense".  ``kernel_options`` i
 and ignored (it tunes torch's generated kernels).  Float16 and bfloat16 are computed in
 float32.  The forward and backward are the ``attngrad::flex`` ops (:mod:`.flex_ops`).
 
-torch.compile: the score and mask functions are traced in Python before the op runs
-(:func:`prepare`, run outside the graph: one graph break in ``fullgraph=False`` mode); the
-op itself is an opaque node of the graph.
+torch.compile(fullgraph=True): the score and mask functions are traced once, while the
+graph is compiled (:func:`plan`); the captured tensors are read in the graph from the
+variables that hold them, and the op is an opaque node of it.  A function defined inside
+another (a closure made in ``forward``, ``and_masks``) is traced outside the graph, as is a
+captured tensor that no variable of the function holds: one graph break there.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from __future__ import annotations
 import torch
 
 from attngrad.scores import trace_mask, trace_score
+from attngrad.scores.trace import fetch
 from attngrad.torch.flex_ops import flex_op, register
 
 IMPLS = ("auto", "tiled", "dense")
@@ -85,19 +88,35 @@ def _check(query, key, value, enable_gqa):
         raise ValueError(f"query has {hq} heads and key/value {hk}: set enable_gqa=True for grouped-query attention")
 
 
-@torch.compiler.disable
-def prepare(score_mod, block_mask, shape: tuple):
-    """Trace the score and mask functions (outside any compiled graph): (program key, mask
-    key, the score's captured tensors, the mask's, the block states, the block size)."""
+@torch._dynamo.assume_constant_result
+def plan(score_mod, mask_mod) -> tuple:
+    """Trace the score and mask functions and register them with the ops: (program key,
+    mask key, where each captured tensor is read from the score function, from the mask
+    function).  Constants only, so that torch.compile runs it once while it compiles
+    (``assume_constant_result``) and reads the captured tensors in the graph (:func:`fetch`
+    of the paths): no graph break."""
     score = None if score_mod is None else trace_score(score_mod)
-    mask = state = None
-    size = (0, 0)
-    if block_mask is not None:
-        mask = trace_mask(block_mask.mask_mod)
-        state, size = block_state(block_mask, shape)
-    caps = [] if score is None else [_tensor(c.value, c.name) for c in score.captured]
-    mask_caps = [] if mask is None else [_tensor(c.value, c.name) for c in mask.captured]
-    return register(score), register(mask), caps, mask_caps, state, size
+    mask = None if mask_mod is None else trace_mask(mask_mod)
+    paths = [() if t is None else tuple(c.path for c in t.captured) for t in (score, mask)]
+    return register(score), register(mask), *paths
+
+
+plan_outside = torch.compiler.disable(plan)  # the same, run outside the graph (a graph break)
+
+
+def _local(fn) -> bool:
+    """A function defined inside another (its closure may be made inside a compiled graph,
+    which assume_constant_result cannot take)."""
+    return fn is not None and "<locals>" in getattr(fn, "__qualname__", "")
+
+
+@torch.compiler.disable
+def captured_tensors(score_mod, mask_mod) -> tuple:
+    """The captured tensors of the score and mask functions, traced again (for a tensor not
+    held by a variable the function names: read outside any compiled graph)."""
+    caps = [] if score_mod is None else [_tensor(c.value, c.name) for c in trace_score(score_mod).captured]
+    mask_caps = [] if mask_mod is None else [_tensor(c.value, c.name) for c in trace_mask(mask_mod).captured]
+    return caps, mask_caps
 
 
 def _tensor(value, name):
@@ -129,7 +148,15 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
             raise TypeError(f"scale must be a finite real number or None; got {scale!r}")
         scale = float(scale)
     B, H, Lq = query.shape[:3]
-    program, mask_program, caps, mask_caps, state, size = prepare(score_mod, block_mask, (B, H, Lq, key.shape[2]))
+    mask_mod = None if block_mask is None else block_mask.mask_mod
+    local = torch.compiler.is_compiling() and (_local(score_mod) or _local(mask_mod))
+    program, mask_program, paths, mask_paths = (plan_outside if local else plan)(score_mod, mask_mod)
+    if None in paths or None in mask_paths:
+        caps, mask_caps = captured_tensors(score_mod, mask_mod)
+    else:
+        caps = [_tensor(fetch(score_mod, p), "") for p in paths]
+        mask_caps = [_tensor(fetch(mask_mod, p), "") for p in mask_paths]
+    state, size = (None, (0, 0)) if block_mask is None else block_state(block_mask, (B, H, Lq, key.shape[2]))
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     out, _, lse, _, row_max, _ = flex_op(query, key, value, caps, mask_caps, state, program, mask_program, scale,
                                          impl, *size)
