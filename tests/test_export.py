@@ -50,7 +50,11 @@ def test_gpt2_run_exported_and_reloaded_by_transformers(tmp_path, capsys):
     run = _run(tmp_path, "gpt2")
     out = tmp_path / "hf"
     assert main(["export", "--run", str(run), "-o", str(out), "--dtype", "float64"]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
+    hf_cfg = json.loads((out / "config.json").read_text())
+    assert (hf_cfg["pad_token_id"], hf_cfg["bos_token_id"], hf_cfg["eos_token_id"]) == (0, 1, 2)  # attngrad's ids
+    gen = json.loads((out / "generation_config.json").read_text())
+    assert (gen["bos_token_id"], gen["eos_token_id"], gen["pad_token_id"]) == (1, 2, 0)  # generate stops at EOS
     assert not list(tmp_path.glob(".hf.tmp-*"))
     cfg, params, _, _ = load_run(run)
     ids = np.random.default_rng(0).integers(0, cfg.model_config.vocab, (2, 12))

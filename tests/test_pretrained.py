@@ -44,6 +44,21 @@ def gpt2_dir(path, *, vocab=30, positions=32, tie=True, **kw):
     return model
 
 
+def save_tokenizer(path, text, vocab=300, eos="<|endoftext|>"):
+    """A byte-level BPE of ``vocab`` ids fitted to ``text``, saved as ``path/tokenizer.json``
+    (its first id the end-of-text token, as the test models' eos_token_id 0)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([text], trainers.BpeTrainer(
+        vocab_size=vocab, special_tokens=[eos], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    tok.save(str(path / "tokenizer.json"))
+    return tok
+
+
 def llama_dir(path, *, vocab=20, tie=False, kv=2, theta=10000.0):
     cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=kv, tie_word_embeddings=tie,
@@ -203,7 +218,8 @@ def _losses(run):
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_fine_tuning_from_a_directory_lowers_the_loss(tmp_path, capsys, kind):
     src = tmp_path / "src"
-    (gpt2_dir(src, vocab=260, positions=32) if kind == "gpt2" else llama_dir(src, vocab=260, tie=True))
+    (gpt2_dir(src, vocab=300, positions=32) if kind == "gpt2" else llama_dir(src, vocab=300, tie=True))
+    tok = save_tokenizer(src, TEXT)
     data = tmp_path / "text.txt"
     data.write_text(TEXT)
     run = tmp_path / "run"
@@ -220,7 +236,8 @@ def test_fine_tuning_from_a_directory_lowers_the_loss(tmp_path, capsys, kind):
     from attngrad.train.runfolder import stored_config
 
     cfg = TrainConfig.from_flat(stored_config(ckpt))
-    assert cfg.model == kind and cfg.init_from == str(src) and cfg.model_spec["vocab"] == 260
+    assert cfg.model == kind and cfg.init_from == str(src) and cfg.model_spec["vocab"] == 300
+    assert cfg.tokenizer == "pretrained" and cfg.vocab_size == tok.get_vocab_size()  # the source's, as it is
     start = initial_params(cfg)  # step 0: the directory's weights, cast to the run's float32
     loaded = load_pretrained(src, dtype="float32")
     assert start.keys() == loaded.params.keys()

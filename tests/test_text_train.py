@@ -135,8 +135,10 @@ def test_non_utf8_file_is_refused(tmp_path, capsys):
 @pytest.mark.parametrize("case", ["missing", "folder", "encdec", "val-fraction"])
 def test_bad_data_options(tmp_path, capsys, case):
     good = _corpus(tmp_path / "g.txt", n_words=200)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "notes.md").write_text("not a .txt file")
     args = {"missing": ["--data", str(tmp_path / "nope.txt")],
-            "folder": ["--data", str(tmp_path)],
+            "folder": ["--data", str(tmp_path / "empty")],  # no .txt files, no token shards
             "encdec": ["--data", str(good), "--model", "encdec"],
             "val-fraction": ["--data", str(good), "--val-fraction", "1.5"]}[case]
     assert _train(*args, "--out", str(tmp_path / "out")) == 2

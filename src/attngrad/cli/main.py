@@ -17,7 +17,8 @@ import os
 import sys
 
 # Subcommand modules, in the order --help lists them.
-COMMANDS = ["check", "train", "bench", "derive", "graph", "sample", "export", "report", "ring", "conform", "grade"]
+COMMANDS = ["check", "train", "tokenize", "bench", "derive", "graph", "sample", "export", "report", "ring",
+            "conform", "grade"]
 
 BAD_USAGE, FAILED = 2, 1
 

@@ -12,9 +12,17 @@ from ..runtime.allocator import retain_freed_memory
 from ..runtime.blas_spin import limit_blas_spin
 from ..runtime.parallel import blas_threads
 from ..train.data import TASKS
-from ..train.loop import RESUMABLE, TrainConfig, flat_fields, resolve_resume, stored_config, train
+from ..train.loop import (
+    RESUMABLE,
+    Interrupted,
+    TrainConfig,
+    flat_fields,
+    resolve_resume,
+    stored_config,
+    train,
+)
 from ..train.presets import PRESETS
-from ..train.pretrained import apply_init_from
+from ..train.pretrained import apply_init_from, data_options
 from ..train.text import describe as describe_text
 from ..train.tokenizer import TOKENIZERS
 from . import train_config, train_dp
@@ -46,7 +54,7 @@ OPTIONS = [
     ("--ckpt-every", "ckpt_every", _int(1), "checkpoint period (steps)"),
     ("--keep-ckpts", "keep_ckpts", _int(1), "checkpoints kept"),
     ("--grad-accum", "grad_accum", _int(1), "micro-batches of --batch-size per update (gradient accumulation)"),
-    ("--context", "context", _int(1), "with --data: window length T in bytes"),
+    ("--context", "context", _int(1), "with --data: window length T in tokens (bytes with the byte tokenizer)"),
     ("--val-fraction", "val_fraction", _float(0.0, 1.0, hi_open=True),
      "with --data: held-out tail of the file, in (0, 1)"),
 ]
@@ -60,9 +68,11 @@ def register(sub) -> None:
             "Train an encoder-decoder, decoder-only or Llama-style (--model llama: RoPE, RMSNorm, "
             "SwiGLU, GQA, no biases) Transformer in pure NumPy (every backward "
             "pass closed-form) on copy/reverse/sort, generated in-process, or a byte-level language "
-            "model on a UTF-8 text file (--data FILE.txt, its tail held out; --tokenizer bpe for a "
-            "BPE fitted to it). Writes metrics.jsonl, loss_curve.png, attention_*.png, report.html and "
-            "checkpoints (ckpt-*.npz) to --out. Options may come from --preset NAME and --config "
+            "model on text (--data: a UTF-8 file, a folder of .txt files or token shards from attngrad "
+            "tokenize; the tail held out; --tokenizer bpe for a BPE fitted to it), or fine-tune a Hugging "
+            "Face model (--init-from DIR: its weights and its tokenizer.json). Writes metrics.jsonl, "
+            "loss_curve.png, attention_*.png, report.html and checkpoints (ckpt-*.npz) to --out; Ctrl-C "
+            "saves a checkpoint and exits 130. Options may come from --preset NAME and --config "
             "FILE.toml (keys: the option names, e.g. batch-size = 32); the command line wins."
         ),
     )
@@ -86,18 +96,22 @@ def register(sub) -> None:
                    help="--model llama: output projection = the embedding matrix transposed")
     p.add_argument("--qk-norm", dest="qk_norm", choices=["rms", "layer"], default=None,
                    help="--model llama: normalise each head's queries and keys (default: off)")
-    p.add_argument("--data", default=None, metavar="FILE.txt",
-                   help="train a byte-level decoder-only language model on this UTF-8 text file "
-                        "(its last --val-fraction is held out) instead of a toy task")
+    p.add_argument("--data", default=None, metavar="PATH",
+                   help="train a decoder-only language model on text instead of a toy task: a UTF-8 file, "
+                        "a folder of .txt files (an end-of-document id between files) or token shards "
+                        "(attngrad tokenize's folder, nanoGPT's train.bin/val.bin; memory-mapped); the "
+                        "last --val-fraction is held out")
     p.add_argument("--tokenizer", choices=TOKENIZERS, default=None,
                    help="with --data: bytes (4 + 256 ids) or bpe (a byte-level BPE fitted to the training "
-                        "split, saved as tokenizer.json in --out; needs attngrad[tok]) (default bytes)")
+                        "split, saved as tokenizer.json in --out; needs attngrad[tok]) (default bytes; with "
+                        "--init-from: the source's own tokenizer)")
     p.add_argument("--vocab-size", dest="vocab_size", type=_int(260, 1 << 20), default=None, metavar="N",
                    help="--tokenizer bpe: vocabulary size, 4 special + 256 byte ids + merges (default 512)")
     p.add_argument("--init-from", dest="init_from", default=None, metavar="PATH",
-                   help="start from these weights: a Hugging Face GPT-2 or Llama folder (config.json + "
-                        "model.safetensors; needs attngrad[hf]) or an attngrad run folder; the source "
-                        "fixes the model (--model, --dim, ... may be left out)")
+                   help="start from these weights: a Hugging Face GPT-2, Llama, Qwen2, Qwen3 or Mistral "
+                        "folder (config.json + model.safetensors + tokenizer.json, as save_pretrained "
+                        "writes it; needs attngrad[hf,tok]) or an attngrad run folder; the source fixes "
+                        "the model and the tokenizer (--model, --dim, ... may be left out)")
     p.add_argument("--out", type=Path, default=None, help="output folder (created; required)")
     p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CKPT",
                    help="continue from the newest checkpoint in --out, or from CKPT")
@@ -116,7 +130,8 @@ def build_config(args) -> TrainConfig:
     the rest and a given option that would change the run is an error."""
     names = flat_fields()
     given = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
-    given = apply_init_from(given)  # --init-from: the source fixes the model (train/pretrained.py)
+    given = apply_init_from(given)  # --init-from: the source fixes the model and tokenizer (train/pretrained.py)
+    given = data_options(given)  # token shards fix the tokenizer (their tokens.json)
     if given.get("data") is not None and "model" not in given and args.resume is None:
         given["model"] = "decoder"  # --data: a decoder-only language model
     if args.resume is None:
@@ -129,6 +144,34 @@ def build_config(args) -> TrainConfig:
             + ", ".join(f"{n}={given[n]!r} (checkpoint: {stored.get(n)!r})" for n in clash)
         )
     return _refuse_what_cannot_apply(TrainConfig.from_flat({**stored, **given}), given)
+
+
+def _what(cfg) -> str:
+    """The banner's data: a toy task, or the text and the tokenizer that encodes it."""
+    if cfg.data is None:
+        return f"{cfg.task} (lengths {cfg.min_len}-{cfg.max_len}, {cfg.symbols} symbols)"
+    from ..train.pretrained import source_tokenizer_file
+    from ..train.shards import is_shards
+
+    tok = {"bytes": "the bytes", "bpe": "the BPE tokens"}.get(cfg.tokenizer, "the tokens")
+    src = source_tokenizer_file(cfg) if cfg.tokenizer != "bytes" else None
+    by = f" (tokenizer {src}, {cfg.vocab_size} ids)" if src is not None else ""
+    held = "its val split held out" if is_shards(cfg.data) else f"last {cfg.val_fraction:g} held out"
+    return f"{tok} of {cfg.data}{by} (context {cfg.context}, {held})"
+
+
+def _source(cfg) -> str:
+    """The banner's ``--init-from``: the source, and a warning when its tokenizer is not used."""
+    if cfg.init_from is None:
+        return ""
+    from ..train.pretrained import source_options
+
+    own = source_options(cfg.init_from).get("tokenizer")
+    note = ""
+    if cfg.data is not None and own != cfg.tokenizer:
+        note = (f"; --tokenizer {cfg.tokenizer}, not the source's {own or 'missing'} tokenizer: ids its "
+                "embeddings never saw")
+    return f", from {cfg.init_from}{note}"
 
 
 # Options of the toy tasks and of --data: given for the other kind of run, they cannot apply.
@@ -151,11 +194,8 @@ def run(args) -> int:
     if args.nproc > 1 and not args.distributed:  # P local ranks, each this command with --distributed
         train_dp.check_config(cfg, args.nproc)
         return train_dp.launch_train(args)
-    what = (f"the {'bytes' if cfg.tokenizer == 'bytes' else 'BPE tokens'} of {cfg.data} (context {cfg.context}, last {cfg.val_fraction:g} held out)"
-            if cfg.data is not None else
-            f"{cfg.task} (lengths {cfg.min_len}-{cfg.max_len}, {cfg.symbols} symbols)")
-    print(f"attngrad train: {cfg.model} on {what}, {cfg.steps} steps, batch {cfg.batch_size}, E={cfg.dim}, "
-          f"H={cfg.heads}, {cfg.layers} layers, {cfg.dtype} -> {args.out}")
+    print(f"attngrad train: {cfg.model} on {_what(cfg)}, {cfg.steps} steps, batch {cfg.batch_size}, E={cfg.dim}, "
+          f"H={cfg.heads}, {cfg.layers} layers, {cfg.dtype}{_source(cfg)} -> {args.out}")
     retain_freed_memory()  # this process trains: each step's big arrays reuse the last step's pages
     limit_blas_spin()  # and NumPy's OpenBLAS threads leave the cores between products
     try:
@@ -168,6 +208,10 @@ def run(args) -> int:
         print(f"attngrad train: training diverged: {exc}; the last checkpoint in {args.out} is intact",
               file=sys.stderr)
         return 1
+    except Interrupted as exc:  # Ctrl-C: the step finished and saved
+        where = f"checkpoint {exc.checkpoint}; continue with --resume" if exc.checkpoint else "no checkpoint"
+        print(f"attngrad train: interrupted after step {exc.step}: {where}", file=sys.stderr)
+        return 130
     if res.checkpoint is None:  # a data-parallel rank other than 0: rank 0 reports
         return 0
     report = write_run_report(args.out)  # the run's page, from the folder alone

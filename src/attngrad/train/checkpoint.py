@@ -175,10 +175,28 @@ def read_state(path) -> dict:
     return load_checkpoint(path)[1]
 
 
-def prune_checkpoints(directory, keep: int) -> None:
-    """Delete all but the newest ``keep`` checkpoints (and stale temporary files)."""
+def checkpoint_step(path) -> int:
+    """The step of a checkpoint from its name (``ckpt-NNNNNNNN.npz``)."""
+    m = _NAME.match(Path(path).name)
+    if m is None:
+        raise ValueError(f"{path} is not named as a checkpoint (ckpt-NNNNNNNN.npz)")
+    return int(m.group(1))
+
+
+def prune_checkpoints(directory, keep: int, current: int | None = None) -> None:
+    """Delete all but the newest ``keep`` checkpoints (and stale temporary files).
+
+    ``current``: the step just written.  Checkpoints past it belong to a history the run
+    (resumed from an earlier checkpoint) replaces: they are deleted, and the ``keep`` kept
+    are counted among the others, so the checkpoint a run resumed from is never deleted
+    while a later one (a damaged one, say) is kept."""
     d = Path(directory)
-    for p in list_checkpoints(d)[:-keep] if keep > 0 else []:
+    found = list_checkpoints(d)
+    if current is not None:
+        for p in [p for p in found if checkpoint_step(p) > current]:
+            p.unlink(missing_ok=True)
+        found = [p for p in found if checkpoint_step(p) <= current]
+    for p in found[:-keep] if keep > 0 else []:
         p.unlink(missing_ok=True)
     for p in d.glob(".ckpt-*.npz.tmp-*"):
         p.unlink(missing_ok=True)

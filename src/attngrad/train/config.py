@@ -43,11 +43,11 @@ class TrainConfig:
     eval_size: int = 512
     ckpt_every: int = 250
     keep_ckpts: int = 2
-    data: str | None = None  # a UTF-8 text file: byte-level language model (train/text.py)
+    data: str | None = None  # a UTF-8 file, a folder of .txt files or token shards: a language model (train/text.py)
     context: int = 64  # text: window length T (bytes)
     val_fraction: float = 0.1  # text: the held-out tail of the file
-    tokenizer: str = "bytes"  # text: "bytes" or "bpe" (train/tokenizer.py)
-    vocab_size: int | None = None  # text, bpe: the vocabulary (None: 512)
+    tokenizer: str = "bytes"  # text: "bytes", "bpe" or "pretrained" (the --init-from model's; train/tokenizer.py)
+    vocab_size: int | None = None  # text, bpe: the vocabulary (None: 512); pretrained: the tokenizer's size
     grad_accum: int = 1  # micro-batches of batch_size per update (their token-weighted mean gradient)
     init_from: str | None = None  # a Hugging Face GPT-2/Llama folder or a run to start from (train/pretrained.py)
     model_spec: dict | None = None  # with init_from: the source model's own config (its sizes, eps, ...)
@@ -113,7 +113,7 @@ class TrainConfig:
 
     @property
     def model_config(self) -> ModelConfig | LlamaConfig | GPT2Config:
-        length = self.context + 1 if self.data is not None else 2 * self.max_len + 3  # longest input (a window + 1: the attention snapshot)
+        length = self.context if self.data is not None else 2 * self.max_len + 3  # the longest input
         if self.model_spec is not None:  # --init-from: the source's model (train/pretrained.py)
             from .pretrained import spec_model_config
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,11 +29,11 @@ from . import plots as P
 from . import tensorboard as TB
 from . import text as T
 from . import tokenizer as K
-from .checkpoint import checkpoint_path, load_checkpoint
+from .checkpoint import checkpoint_path, list_checkpoints
 from .config import OPTIM_FIELDS, RESUMABLE, TrainConfig, flat_fields
 from .evaluate import attention_for, evaluate, predict, token_str
 from .optim import adamw_init, adamw_step, clip_by_global_norm, lr_at
-from .pretrained import initial_params
+from .pretrained import copy_source_files, initial_params
 from .progress import Progress
 from .runfolder import (
     load_for_resume,
@@ -40,6 +42,7 @@ from .runfolder import (
     resolve_resume,
     save_state,
     stored_config,
+    stored_state,
     truncate_metrics,
     write_samples,
 )
@@ -50,6 +53,7 @@ __all__ = [
     "OPTIM_FIELDS",
     "RESUMABLE",
     "Hooks",
+    "Interrupted",
     "TrainConfig",
     "TrainResult",
     "attention_for",
@@ -76,11 +80,45 @@ class Hooks(NamedTuple):
     during_save: object = None
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) during :func:`train`: the step in progress was finished and saved.
+    ``step``: the last step done; ``checkpoint``: its checkpoint (None on a rank that does
+    not write)."""
+
+    def __init__(self, step: int, checkpoint):
+        super().__init__(f"interrupted after step {step}")
+        self.step, self.checkpoint = step, checkpoint
+
+
+class _SigintFlag:
+    """While active (in the main thread), SIGINT sets ``.set`` instead of raising: the
+    loop finishes its step, saves and stops.  A second SIGINT raises KeyboardInterrupt at
+    once (the default handler is back)."""
+
+    def __init__(self):
+        self.set, self.previous = False, None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.set = True
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def __exit__(self, *exc):
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+        return False
+
+
 # ---------------------------------------------------------------- one step
 
 
 def loss_and_grads(params, cfg: TrainConfig, batch: dict, seed=None):
-    """Forward, loss, backward.  Returns (loss, grads, number of target tokens)."""
+    """Forward, loss, backward.  Returns (loss, grads, number of target tokens).  The
+    loss skips PAD targets (none with a pretrained tokenizer: :func:`.text.ignore_index`)."""
     mcfg = cfg.model_config
     model = MODELS[cfg.model]
     if cfg.model == "encdec":
@@ -89,7 +127,7 @@ def loss_and_grads(params, cfg: TrainConfig, batch: dict, seed=None):
     else:
         logits, cache = model.forward(params, mcfg, batch["inp"], seed=seed)
         targets = batch["tgt"]
-    loss, lcache = cross_entropy_forward(logits, targets, ignore_index=D.PAD,
+    loss, lcache = cross_entropy_forward(logits, targets, ignore_index=T.ignore_index(cfg),
                                          label_smoothing=cfg.label_smoothing)
     grads = model.backward(cross_entropy_backward(1.0, lcache), cache)
     return loss, grads, lcache.n_valid
@@ -117,15 +155,16 @@ def accumulate(params, cfg: TrainConfig, batches: list, step: int):
     return loss, grads, ntok
 
 
-def train_step(params, opt_state, batch, cfg: TrainConfig, step: int, reduce=None):
+def train_step(params, opt_state, batch, cfg: TrainConfig, step: int, reduce=None, restart=None):
     """Update number ``step`` (1-based).  ``batch``: one batch, or a list of micro-batches
-    (``grad_accum``) whose token-weighted mean gradient makes the update.  Returns
-    (params, opt_state, metrics dict)."""
+    (``grad_accum``) whose token-weighted mean gradient makes the update; ``restart``: the
+    (step, lr) a changed ``steps`` continues the schedule from (O7).  Returns (params,
+    opt_state, metrics dict)."""
     loss, grads, ntok = accumulate(params, cfg, batch if isinstance(batch, list) else [batch], step)
     if reduce is not None:  # data parallel: the mean over every rank's tokens (train/dp.py)
         loss, grads, ntok = reduce(loss, grads, ntok)
     grads, norm = clip_by_global_norm(grads, cfg.optim.clip)
-    lr = lr_at(step, cfg.steps, cfg.optim)
+    lr = lr_at(step, cfg.steps, cfg.optim, restart)
     params, opt_state = adamw_step(params, grads, opt_state, lr=lr, cfg=cfg.optim)
     return params, opt_state, {"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens": ntok}
 
@@ -173,18 +212,27 @@ def train(cfg: TrainConfig, out, *, resume=None, progress=True, plots=True, hook
     the run's page, report.html, is made from the folder afterwards by
     :func:`attngrad.report.write_run_report` (``attngrad train`` writes it).
 
-    A text run with ``cfg.tokenizer == "bpe"`` fits its tokenizer to the training split and
-    saves it as ``tokenizer.json`` in ``out`` (a resumed run reads it back from there);
+    A text run with ``cfg.tokenizer == "bpe"`` fits its tokenizer to the training split (or
+    takes the ``--init-from`` run's), one with ``"pretrained"`` takes the ``--init-from``
+    model's (or the token shards'), and saves it as ``tokenizer.json`` in ``out`` (a resumed
+    run reads it back from there); the ``--init-from`` model's config and tokenizer files
+    are copied into ``out/source`` for ``attngrad export``.
+
+    Resumed with another ``cfg.steps`` than the checkpoint's (past the warmup), the
+    learning rate goes on from its value at the checkpoint's step down the cosine to the
+    floor at the new last step (O7).  Ctrl-C (SIGINT) finishes the step in progress,
+    writes its checkpoint and raises :class:`Interrupted` (a KeyboardInterrupt); a second
+    Ctrl-C stops at once.
     ``tensorboard``: scalars also written as TensorBoard event files under
     ``out/tensorboard`` (tensorboardX, ``pip install 'attngrad[tensorboard]'``)."""
     writer = dp is None or dp.rank == 0  # dp: a train.dp.DataParallel (one rank of P)
     out = Path(out)
     hooks = hooks or Hooks()
     tok = None
-    if cfg.data is not None and cfg.tokenizer != "bytes" and resume is not None:  # the run's own BPE
+    if cfg.data is not None and cfg.tokenizer != "bytes" and resume is not None:  # the run's own
         path = resolve_resume(out, resume)
-        tok = K.load_tokenizer(path.parent / K.TOKENIZER_FILE, cfg.vocab_size,
-                               load_checkpoint(path)[1].get("tokenizer_sha256"))
+        state = stored_state(path)
+        tok = K.tokenizer_for(cfg, path.parent, state.get("tokenizer_sha256"), state.get("eod"))
     text = T.TextTask(cfg, tok) if cfg.data is not None else None  # reads and checks the file first
     if plots:
         P.require_matplotlib()  # before any work, not after training
@@ -193,24 +241,39 @@ def train(cfg: TrainConfig, out, *, resume=None, progress=True, plots=True, hook
     require_memory(estimate_memory(cfg), "this training run", hint="use a smaller --dim, --ffn, "
                    "--layers, --batch-size, --eval-size or shorter sequences")
     prepare_out(out, fresh=resume is None)
-    tok_sha = None
-    if text is not None and text.tokenizer.kind == "bpe":
-        tok_sha = text.tokenizer.sha256
+    extra = {}
+    if text is not None and text.tokenizer.kind != "bytes":
+        extra["tokenizer_sha256"] = text.tokenizer.sha256
+        if text.tokenizer.kind == "pretrained" and text.tokenizer.eod is not None:
+            extra["eod"] = text.tokenizer.eod
         if writer:
             text.tokenizer.save(out / K.TOKENIZER_FILE)  # atomic: the whole file or none
+    if writer and resume is None:
+        copy_source_files(cfg, out)  # the --init-from model's config and tokenizer files, for export
     for warning in cfg.warnings():
         (warn or log)(f"warning: {warning}")
     stream = text.stream(cfg) if text else D.BatchStream(cfg.task_config, cfg.model, cfg.batch_size, cfg.seed)
     metrics_path = out / "metrics.jsonl"
+    restart = None  # (O7): where a changed --steps continues the schedule from
     if resume is not None:
         path = resolve_resume(out, resume)
-        params, opt, step, data_state, elapsed = load_for_resume(path, cfg)
+        params, opt, step, data_state, elapsed, state = load_for_resume(path, cfg)
         if step > cfg.steps:
             raise ValueError(f"checkpoint {path} is at step {step}, past steps={cfg.steps}")
         stream.set_state(data_state)
         if writer:
             truncate_metrics(metrics_path, step)
         log(f"resumed from {path} at step {step}")
+        restart = state.get("lr_restart")
+        before = state["config"].get("steps", cfg.steps)
+        if before != cfg.steps and step > cfg.optim.warmup and step < cfg.steps:
+            restart = [step, lr_at(step, before, cfg.optim, restart)]  # (O7)
+            log(f"steps {before} -> {cfg.steps}: the learning rate goes on from {restart[1]:.3g} at step {step} "
+                f"down to {cfg.optim.lr * cfg.optim.min_lr_ratio:.3g} at step {cfg.steps}")
+        later = [p.name for p in list_checkpoints(out) if p.name > path.name]
+        if later and writer:
+            log(f"checkpoints after step {step} ({', '.join(later)}) belong to the run this one replaces: "
+                "removed at its first checkpoint")
     else:
         params = initial_params(cfg)  # model.init, or the --init-from source's weights
         opt = adamw_init(params)
@@ -225,8 +288,10 @@ def train(cfg: TrainConfig, out, *, resume=None, progress=True, plots=True, hook
     ckpt = None
     board = TB.Board(out, step) if tensorboard and writer else None
     describe = text.describe if text else None
-    extra = {} if tok_sha is None else {"tokenizer_sha256": tok_sha}
-    with open(metrics_path if writer else os.devnull, "a") as mf:
+    if restart is not None:
+        extra["lr_restart"] = restart
+    saved = None  # the step of the last checkpoint written
+    with open(metrics_path if writer else os.devnull, "a") as mf, _SigintFlag() as interrupt:
         def write(rec):
             mf.write(json.dumps(rec) + "\n")
             if board is not None:
@@ -238,7 +303,8 @@ def train(cfg: TrainConfig, out, *, resume=None, progress=True, plots=True, hook
         while step < cfg.steps:
             draw = stream.next if dp is None else (lambda: dp.local_batch(stream.next()))
             batch = draw() if cfg.grad_accum == 1 else [draw() for _ in range(cfg.grad_accum)]
-            params, opt, rec = train_step(params, opt, batch, cfg, step + 1, None if dp is None else dp.reduce)
+            params, opt, rec = train_step(params, opt, batch, cfg, step + 1, None if dp is None else dp.reduce,
+                                          restart)
             step += 1
             if not math.isfinite(rec["loss"]):
                 raise FloatingPointError(f"loss became {rec['loss']} at step {step}")
@@ -257,8 +323,19 @@ def train(cfg: TrainConfig, out, *, resume=None, progress=True, plots=True, hook
                 os.fsync(mf.fileno())  # every metric line <= step is on disk before the checkpoint
                 now = elapsed + time.perf_counter() - t_start
                 ckpt = save_state(out, cfg, step, params, opt, stream, now, hooks.during_save, extra)
+                saved = step
             if hooks.after_step:
                 hooks.after_step(step)
+            if interrupt.set and step < cfg.steps:  # Ctrl-C: this step's checkpoint, then stop
+                if writer and saved != step:
+                    mf.flush()
+                    os.fsync(mf.fileno())
+                    now = elapsed + time.perf_counter() - t_start
+                    ckpt = save_state(out, cfg, step, params, opt, stream, now, hooks.during_save, extra)
+                bar.close()
+                if board is not None:
+                    board.close()
+                raise Interrupted(step, ckpt if writer else None)
         seconds = elapsed + time.perf_counter() - t_start
     bar.close()
     if board is not None:

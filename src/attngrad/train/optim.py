@@ -1,4 +1,4 @@
-"""AdamW, its learning-rate schedule and global-norm clipping (docs/training.md, O1-O6).
+"""AdamW, its learning-rate schedule and global-norm clipping (docs/training.md, O1-O7).
 
     c = min(1, max_norm / (||g||_2 + 1e-6)),   g <- c g          (O1)  clipping, global norm
     lr_t = lr * t / warmup                       for t <= warmup (O2)  linear warmup
@@ -6,6 +6,12 @@
     theta <- theta (1 - lr_t wd)       (decoupled weight decay; matrices only)        (O4)
     m <- m + (1 - b1)(g - m),   v <- b2 v + (1 - b2) g^2                              (O5)
     theta <- theta - (lr_t / (1 - b1^t)) m / (sqrt(v) / sqrt(1 - b2^t) + eps)          (O6)
+    lr_t = lr r + (lr_k - lr r)(1 + cos(pi s)) / 2,  s = (t - k) / (T - k),  t > k       (O7)
+
+(O7) is the schedule of a run resumed at step k > warmup with another total T than it
+had: it goes on from lr_k, the rate of step k, down the same cosine shape to the same floor
+lr r at the new last step, so the rate never jumps (a run resumed inside the warmup needs
+nothing: the cosine starts at the warmup's end whatever T is).  ``restart`` = (k, lr_k).
 
 Exactly the operations of ``torch.optim.AdamW`` (single-tensor path) and
 ``torch.nn.utils.clip_grad_norm_``.  Pure functions: new dicts come back, inputs are
@@ -54,8 +60,14 @@ class AdamWConfig:
             raise ValueError(f"clip must be >= 0 (0 = off); got {self.clip!r}")
 
 
-def lr_at(step: int, total: int, cfg: AdamWConfig) -> float:
-    """Learning rate of update number ``step`` (1-based) out of ``total`` (O2, O3)."""
+def lr_at(step: int, total: int, cfg: AdamWConfig, restart=None) -> float:
+    """Learning rate of update number ``step`` (1-based) out of ``total`` (O2, O3); after
+    ``restart`` = (k, lr_k), the continued cosine of a changed total (O7)."""
+    if restart is not None and step > restart[0]:
+        k, lr_k = int(restart[0]), float(restart[1])
+        s = min((step - k) / max(total - k, 1), 1.0)
+        floor = cfg.lr * cfg.min_lr_ratio
+        return floor + (lr_k - floor) * 0.5 * (1.0 + math.cos(math.pi * s))  # (O7)
     if cfg.warmup and step <= cfg.warmup:
         return cfg.lr * step / cfg.warmup  # (O2)
     span = max(total - cfg.warmup, 1)

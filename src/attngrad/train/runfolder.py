@@ -31,8 +31,10 @@ def expected_arrays(params) -> dict:
 
 def save_state(out: Path, cfg, step, params, opt, stream, elapsed, hook=None, extra=None):
     """Checkpoint of step ``step``: parameters, AdamW moments, the data stream's state and
-    the options (and ``extra``: e.g. the BPE tokenizer's sha256); older checkpoints beyond
-    ``keep_ckpts`` are removed."""
+    the options (and ``extra``: e.g. the tokenizer's sha256, the learning rate's restart
+    point); then the rotation of :func:`attngrad.train.checkpoint.prune_checkpoints`: the
+    newest ``keep_ckpts`` of this run's history kept, checkpoints past ``step`` (a history
+    this resumed run replaces) removed."""
     arrays = {}
     for k in params:
         arrays[f"param/{k}"] = params[k]
@@ -41,7 +43,7 @@ def save_state(out: Path, cfg, step, params, opt, stream, elapsed, hook=None, ex
     state = {"step": step, "opt_t": opt["t"], "config": cfg.to_flat(), "data": stream.state(),
              "elapsed": elapsed, **(extra or {})}
     path = save_checkpoint(checkpoint_path(out, step), arrays, state, hook=hook)
-    prune_checkpoints(out, cfg.keep_ckpts)
+    prune_checkpoints(out, cfg.keep_ckpts, current=step)
     return path
 
 
@@ -55,16 +57,32 @@ def resolve_resume(out: Path, resume) -> Path:
     return found[-1]
 
 
+def newest_good_hint(path: Path, option: str = "--resume") -> str:
+    """"; the newest checkpoint that verifies is X: ... with --resume X" for a refused
+    checkpoint ``path``: the checkpoints of its folder older than it, newest first, each
+    verified until one is whole (a damaged one is named only if none is)."""
+    path = Path(path)
+    older = [p for p in list_checkpoints(path.parent) if p.name < path.name]
+    for p in reversed(older):
+        try:
+            load_checkpoint(p)
+        except CheckpointError:
+            continue
+        return f"; the newest checkpoint that verifies is {p}: continue from it with {option} {p}"
+    if older:
+        return f"; no older checkpoint in {path.parent} verifies either ({len(older)} refused)"
+    return ""
+
+
 def load_for_resume(path: Path, cfg: TrainConfig):
-    """(params, opt_state, step, data state, elapsed) from a verified checkpoint whose
-    configuration matches ``cfg`` (except the options of RESUMABLE)."""
+    """(params, opt_state, step, data state, elapsed, state) from a verified checkpoint
+    whose configuration matches ``cfg`` (except the options of RESUMABLE); a refused one
+    names the newest older checkpoint that verifies."""
     init = MODELS[cfg.model].init(cfg.model_config, cfg.seed)
     try:
         arrays, state = load_checkpoint(path, expected=expected_arrays(init))
     except CheckpointError as exc:
-        older = [p for p in list_checkpoints(path.parent) if p != path and p.name < path.name]
-        hint = f"; an older checkpoint exists: resume from it with --resume {older[-1]}" if older else ""
-        raise CheckpointError(f"{exc}{hint}") from None
+        raise CheckpointError(f"{exc}{newest_good_hint(path)}") from None
     stored, now = _complete(state["config"]), cfg.to_flat()
     diff = [n for n in now if n not in RESUMABLE and stored[n] != now[n]]
     if diff:
@@ -75,13 +93,23 @@ def load_for_resume(path: Path, cfg: TrainConfig):
     params = {k: arrays[f"param/{k}"] for k in init}
     opt = {"t": int(state["opt_t"]), "m": {k: arrays[f"adam_m/{k}"] for k in init},
            "v": {k: arrays[f"adam_v/{k}"] for k in init}}
-    return params, opt, int(state["step"]), state["data"], float(state.get("elapsed", 0.0))
+    return params, opt, int(state["step"]), state["data"], float(state.get("elapsed", 0.0)), state
+
+
+def stored_state(path) -> dict:
+    """The JSON state of a (verified) checkpoint; a refused checkpoint names the newest
+    older one that verifies."""
+    try:
+        return load_checkpoint(path)[1]
+    except CheckpointError as exc:
+        raise CheckpointError(f"{exc}{newest_good_hint(path)}") from None
 
 
 def stored_config(path) -> dict:
     """The flat TrainConfig options (:meth:`TrainConfig.to_flat`) stored in a (verified)
-    checkpoint; options newer than the checkpoint take their defaults."""
-    return _complete(load_checkpoint(path)[1]["config"])
+    checkpoint; options newer than the checkpoint take their defaults.  A refused checkpoint
+    names the newest older one that verifies."""
+    return _complete(stored_state(path)["config"])
 
 
 def _complete(stored: dict) -> dict:

@@ -49,7 +49,8 @@ def load_text_model(run, checkpoint=None) -> TextModel:
         raise ValueError(
             f"{path} is a {cfg.task} run (a toy task); attngrad sample needs a run trained with --data FILE.txt"
         )
-    tok = tokenizer_for(cfg, path.parent, state.get("tokenizer_sha256"))  # before the arrays: a missing file is named first
+    tok = tokenizer_for(cfg, path.parent, state.get("tokenizer_sha256"),
+                        state.get("eod"))  # before the arrays: a missing file is named first
     arrays, state = load_checkpoint(path, expected=expected_arrays(MODELS[cfg.model].init(cfg.model_config, 0)))
     params = {k[len("param/") :]: v for k, v in arrays.items() if k.startswith("param/")}
     return TextModel(cfg, params, int(state["step"]), path, tok)
@@ -66,4 +67,4 @@ def sample_text(model: TextModel, prompt: str, tokens: int, *, temperature: floa
     if ids.size == 0:
         raise ValueError("prompt must not be empty (the model continues at least one token)")
     return tok.decode(generate(model.params, model.cfg, ids, tokens, temperature=temperature, seed=seed,
-                               top_k=top_k, top_p=top_p, kv_cache=kv_cache, vocab_hi=tok.used))
+                               top_k=top_k, top_p=top_p, kv_cache=kv_cache, vocab_hi=tok.used, vocab_lo=tok.lo))

@@ -20,15 +20,13 @@ must beat to have learnt anything about context.
 
 from __future__ import annotations
 
-import hashlib
 import math
-from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
 from ..layers.loss import cross_entropy_forward
 from ..models import MODELS
+from .corpus import TextCorpus, load_text
 from .data import N_SPECIAL, PAD
 
 BYTES = 256  # content symbols of a byte-level model
@@ -38,7 +36,8 @@ VOCAB = N_SPECIAL + BYTES
 def check_text_options(data, context, val_fraction, model: str) -> None:
     """Validate the text options of a TrainConfig (the file itself is read later)."""
     if not isinstance(data, str) or not data:
-        raise ValueError(f"data must be the path of a UTF-8 text file; got {data!r}")
+        raise ValueError(f"data must be the path of a UTF-8 text file, a folder of .txt files or token "
+                         f"shards; got {data!r}")
     if isinstance(context, bool) or not isinstance(context, int) or context < 1:
         raise ValueError(f"context must be a positive integer; got {context!r}")
     if isinstance(val_fraction, bool) or not isinstance(val_fraction, int | float) or not 0.0 < val_fraction < 1.0:
@@ -64,104 +63,97 @@ def decode(ids) -> str:
     return raw.decode("utf-8", errors="replace")
 
 
-# ---------------------------------------------------------------- the corpus
-
-
-@dataclass(frozen=True)
-class TextCorpus:
-    """A file's ids, split.  ``sha256`` identifies the bytes (checked when resuming)."""
-
-    path: str
-    train: np.ndarray  # (N_train,) int64 ids
-    val: np.ndarray  # (N_val,) int64 ids
-    sha256: str
-    chars: int  # Unicode characters in the file
-    tokenizer: object = None  # None: bytes; else a tokenizer of train/tokenizer.py
-    val_bytes: int | None = None  # bytes of the validation split (None: one per id)
-
-
-def _read(p: Path) -> tuple[bytes, str]:
-    try:
-        raw = p.read_bytes()
-    except FileNotFoundError:
-        raise ValueError(f"--data: no such file: {p}") from None
-    except IsADirectoryError:
-        raise ValueError(f"--data: {p} is a folder; expected a UTF-8 text file") from None
-    except OSError as exc:
-        raise ValueError(f"--data: cannot read {p}: {exc.strerror or exc}") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ValueError(
-            f"--data: {p} is not UTF-8 text: byte 0x{raw[exc.start]:02x} at offset {exc.start} "
-            f"({exc.reason}); convert it first, e.g. iconv -f latin1 -t utf-8"
-        ) from None
-    return raw, text
+# ---------------------------------------------------------------- the corpus (train/corpus.py)
 
 
 def load_corpus(path, context: int, val_fraction: float, tokenizer=None, fit=None) -> TextCorpus:
-    """Read, check and split a UTF-8 text file (ValueError with the reason otherwise).
+    """Read, check and split a UTF-8 text file or a folder of them (ValueError with the
+    reason otherwise; :func:`attngrad.train.corpus.load_text`).
 
-    ``tokenizer``: None (bytes) or a tokenizer of :mod:`.tokenizer`; ``fit(train_text)``,
-    given instead, makes one from the training split (a BPE fitted to it).  With a BPE the
-    split point moves forward to the next character boundary and each split is encoded
-    on its own."""
-    p = Path(path)
-    raw, text = _read(p)
-    n = len(raw)
-    n_val = math.ceil(n * val_fraction)
-    n_train = n - n_val
-    need = context + 1
-    if tokenizer is None and fit is None:  # bytes
-        if n_val < need or n_train < need:
-            raise ValueError(
-                f"--data: {p} has {n} bytes: too small for context {context} with val_fraction "
-                f"{val_fraction:g} (training split {n_train} bytes, validation split {n_val} bytes; "
-                f"each needs at least context + 1 = {need}); use a longer file or a smaller --context"
-            )
-        ids = np.frombuffer(raw, dtype=np.uint8).astype(np.int64) + N_SPECIAL  # (N,)
-        return TextCorpus(str(p), ids[:n_train], ids[n_train:], hashlib.sha256(raw).hexdigest(), len(text))
-    while 0 < n_train < n and (raw[n_train] & 0xC0) == 0x80:  # not inside a UTF-8 sequence
-        n_train += 1
-    train_text, val_text = raw[:n_train].decode("utf-8"), raw[n_train:].decode("utf-8")
-    if tokenizer is None:
-        tokenizer = fit(train_text)
-    tr, va = tokenizer.encode(train_text), tokenizer.encode(val_text)  # (N_train,), (N_val,)
-    if len(va) < need or len(tr) < need:
-        raise ValueError(
-            f"--data: {p} has {n} bytes: too small for context {context} with val_fraction "
-            f"{val_fraction:g} (training split {len(tr)} tokens, validation split {len(va)} tokens; "
-            f"each needs at least context + 1 = {need}); use a longer file or a smaller --context"
-        )
-    return TextCorpus(str(p), tr, va, hashlib.sha256(raw).hexdigest(), len(text), tokenizer, n - n_train)
+    ``tokenizer``: None (bytes) or a tokenizer of :mod:`.tokenizer`; ``fit(pieces)``, given
+    instead, makes one from the training split's text (a BPE fitted to it).  With a
+    tokenizer the split point moves forward to the next character boundary and each split
+    is encoded on its own."""
+    from .tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer() if tokenizer is None and fit is None else tokenizer
+    vocab = VOCAB if tok is not None and tok.kind == "bytes" else None
+
+    if tok is None:  # fitted: its vocabulary is known once fitted
+        from .corpus import documents, training_text
+
+        tok = fit(training_text(documents(path), val_fraction))
+    return load_text(path, context, val_fraction, tok, vocab=vocab or tok.vocab)
+
+
+def content_ids(corpus: TextCorpus) -> np.ndarray:
+    """The ids a model of this corpus predicts: its tokenizer's ``lo .. used - 1``, and the
+    end-of-document id when the corpus has one outside them."""
+    tok = corpus.tokenizer
+    lo, hi = (N_SPECIAL, VOCAB) if tok is None else (tok.lo, tok.used)
+    ids = np.arange(lo, hi)
+    if corpus.eod is not None and not lo <= corpus.eod < hi:
+        ids = np.concatenate([[corpus.eod], ids])
+    return ids
+
+
+def segments(ids) -> tuple:
+    """A split's id arrays: the array itself, or the shards' tuple."""
+    return ids if isinstance(ids, tuple) else (ids,)
 
 
 def unigram_cross_entropy(corpus: TextCorpus) -> float:
     """Cross-entropy (nats per token) of the validation split under the training split's
-    token frequencies, add-one smoothed over the content ids (the 256 bytes, or the BPE's)."""
-    size = BYTES if corpus.tokenizer is None else corpus.tokenizer.used - N_SPECIAL
-    counts = np.bincount(corpus.train - N_SPECIAL, minlength=size).astype(np.float64) + 1.0  # (size,)
-    logp = np.log(counts / counts.sum())  # (size,)
-    return float(-np.mean(logp[corpus.val - N_SPECIAL]))
+    token frequencies, add-one smoothed over the content ids (the 256 bytes, or the
+    tokenizer's; :func:`content_ids`).  Counted in pieces (no int64 copy of the corpus)."""
+    support = content_ids(corpus)
+    size = int(support.max()) + 1
+    counts = np.zeros(size, dtype=np.float64)
+    for seg in segments(corpus.train):
+        for i in range(0, len(seg), 1 << 22):
+            piece = np.asarray(seg[i : i + (1 << 22)]).astype(np.intp)
+            counts += np.bincount(piece[piece < size], minlength=size)[:size]
+    c = counts[support] + 1.0  # (|support|,)
+    logp = np.full(size, -np.inf)
+    logp[support] = np.log(c / c.sum())
+    total, n = 0.0, 0
+    for seg in segments(corpus.val):
+        for i in range(0, len(seg), 1 << 22):
+            piece = np.asarray(seg[i : i + (1 << 22)]).astype(np.intp)
+            total += float(np.sum(logp[np.minimum(piece, size - 1)]))
+            n += piece.size
+    return -total / n
 
 
 # ---------------------------------------------------------------- batches
 
 
 class TextStream:
-    """Training batches {"inp": (B, T), "tgt": (B, T)} of random windows of the training
-    split.  State = the PCG64 state (JSON), the position and the corpus checksum."""
+    """Training batches {"inp": (B, T), "tgt": (B, T)} (int64) of random windows of the
+    training split: a start drawn uniformly among every window's (over the shards'
+    segments, a window never crossing from one to the next).  State = the PCG64 state
+    (JSON), the position and the corpus checksum."""
 
     def __init__(self, corpus: TextCorpus, context: int, batch_size: int, seed: int):
         self.corpus, self.context, self.batch_size = corpus, context, batch_size
         self.rng = np.random.default_rng(np.random.SeedSequence([seed, 4]))
         self.position = 0
+        segs = [s for s in segments(corpus.train) if len(s) > context]
+        self.segs = segs
+        self.ends = np.cumsum([len(s) - context for s in segs])  # window starts before each segment's end
 
     def next(self) -> dict:
         t = self.context
-        starts = self.rng.integers(0, len(self.corpus.train) - t, size=self.batch_size)  # (B,)
-        idx = starts[:, None] + np.arange(t + 1)  # (B, T + 1)
-        win = self.corpus.train[idx]  # (B, T + 1)
+        if not isinstance(self.corpus.train, tuple):  # one array (the draw of every earlier version)
+            starts = self.rng.integers(0, len(self.corpus.train) - t, size=self.batch_size)  # (B,)
+            idx = starts[:, None] + np.arange(t + 1)  # (B, T + 1)
+            win = np.asarray(self.corpus.train[idx], dtype=np.int64)  # (B, T + 1)
+        else:
+            flat = self.rng.integers(0, int(self.ends[-1]), size=self.batch_size)  # (B,) over every segment
+            seg = np.searchsorted(self.ends, flat, side="right")  # (B,)
+            starts = flat - np.concatenate([[0], self.ends])[seg]  # (B,) within its segment
+            win = np.stack([np.asarray(self.segs[g][s : s + t + 1], dtype=np.int64)
+                            for g, s in zip(seg.tolist(), starts.tolist(), strict=True)])  # (B, T + 1)
         self.position += 1
         return {"inp": win[:, :-1], "tgt": win[:, 1:]}
 
@@ -180,10 +172,20 @@ class TextStream:
 
 
 def eval_windows(corpus: TextCorpus, context: int, n: int) -> list:
-    """Up to ``n`` non-overlapping windows (T + 1,) of the validation split, in order."""
+    """Up to ``n`` non-overlapping windows (T + 1,) int64 of the validation split, in order
+    (segment after segment for shards)."""
     t = context
-    count = min(n, (len(corpus.val) - 1) // t)
-    return [corpus.val[i * t : i * t + t + 1] for i in range(count)]
+    out = []
+    for seg in segments(corpus.val):
+        count = min(n - len(out), (len(seg) - 1) // t)
+        out += [np.asarray(seg[i * t : i * t + t + 1], dtype=np.int64) for i in range(max(count, 0))]
+    return out
+
+
+def ignore_index(cfg) -> int:
+    """The target id the loss skips: PAD (0) for the toy tasks and the byte and BPE ids,
+    which never hold it; none (-1) for a pretrained tokenizer, whose id 0 is a token."""
+    return -1 if cfg.data is not None and cfg.tokenizer == "pretrained" else PAD
 
 
 # ---------------------------------------------------------------- evaluation
@@ -198,7 +200,7 @@ def evaluate_text(params, cfg, windows: list, unigram: float | None = None, byte
     for i in range(0, len(windows), cfg.batch_size):
         w = np.stack(windows[i : i + cfg.batch_size])  # (b, T + 1)
         logits, _ = model.forward(params, mcfg, w[:, :-1])  # (b, T, V)
-        loss, cache = cross_entropy_forward(logits, w[:, 1:], ignore_index=PAD)
+        loss, cache = cross_entropy_forward(logits, w[:, 1:], ignore_index=ignore_index(cfg))
         total += loss * cache.n_valid
         count += cache.n_valid
     val = total / count
@@ -234,16 +236,18 @@ def check_sampling(temperature, top_k=None, top_p=None) -> float:
     return t
 
 
-def next_token(logits_row: np.ndarray, temperature: float, rng, *, top_k=None, top_p=None, vocab_hi=None) -> int:
-    """One draw from the last position's logits (V,): content ids ``N_SPECIAL .. vocab_hi
-    - 1`` only (special ids never; ``vocab_hi`` default: all); temperature 0 is greedy
+def next_token(logits_row: np.ndarray, temperature: float, rng, *, top_k=None, top_p=None, vocab_hi=None,
+               vocab_lo: int = N_SPECIAL) -> int:
+    """One draw from the last position's logits (V,): content ids ``vocab_lo .. vocab_hi
+    - 1`` only (``vocab_lo`` default N_SPECIAL: the special ids never; 0 for a pretrained
+    tokenizer, whose ids are all tokens; ``vocab_hi`` default: all); temperature 0 is greedy
     (argmax, the first on ties), else softmax(z / T) restricted to the ``top_k`` most
     likely ids and to the smallest set of most likely ids whose probability reaches
     ``top_p`` (nucleus; ties in the order of the ids), sampled by inverting the CDF with
     one uniform from ``rng``."""
-    z = np.asarray(logits_row, dtype=np.float64)[N_SPECIAL:vocab_hi]  # (V',)
+    z = np.asarray(logits_row, dtype=np.float64)[vocab_lo:vocab_hi]  # (V',)
     if temperature == 0:
-        return N_SPECIAL + int(np.argmax(z))
+        return vocab_lo + int(np.argmax(z))
     z = (z - z.max()) / temperature
     p = np.exp(z)
     if top_k is not None or (top_p is not None and top_p < 1.0):
@@ -257,11 +261,11 @@ def next_token(logits_row: np.ndarray, temperature: float, rng, *, top_k=None, t
         p = np.where(mask, p, 0.0)
     c = np.cumsum(p)  # (V',)
     k = int(np.searchsorted(c, rng.random() * c[-1], side="right"))
-    return N_SPECIAL + min(k, len(p) - 1)
+    return vocab_lo + min(k, len(p) - 1)
 
 
 def generate(params, cfg, prompt: np.ndarray, n: int, *, temperature: float = 1.0, seed: int = 0,
-             top_k=None, top_p=None, kv_cache: bool = False, vocab_hi=None) -> np.ndarray:
+             top_k=None, top_p=None, kv_cache: bool = False, vocab_hi=None, vocab_lo: int = N_SPECIAL) -> np.ndarray:
     """``n`` new ids after ``prompt`` (L,), each from the last ``cfg.context`` ids.
     The same (params, prompt, n, temperature, seed, top_k, top_p) give the same ids.
 
@@ -279,7 +283,7 @@ def generate(params, cfg, prompt: np.ndarray, n: int, *, temperature: float = 1.
     model, mcfg = MODELS[cfg.model], cfg.model_config
     rng = np.random.default_rng(np.random.SeedSequence([seed, 5]))
     ids = list(prompt.tolist())
-    kw = {"top_k": top_k, "top_p": top_p, "vocab_hi": vocab_hi}
+    kw = {"top_k": top_k, "top_p": top_p, "vocab_hi": vocab_hi, "vocab_lo": vocab_lo}
     if kv_cache and n:
         from .kvcache import KVCache
 
@@ -302,8 +306,9 @@ def generate(params, cfg, prompt: np.ndarray, n: int, *, temperature: float = 1.
 
 
 def attention_example(windows: list, length: int = 40) -> np.ndarray:
-    """The ids shown in attention maps: the first ``length`` ids of the first window."""
-    return np.asarray(windows[0][:length], dtype=np.int64)
+    """The ids shown in attention maps: the first ``length`` inputs of the first window (at
+    most its T inputs, never its target: a model with T positions reads them all)."""
+    return np.asarray(windows[0][: min(length, len(windows[0]) - 1)], dtype=np.int64)
 
 
 def byte_labels(ids) -> list:
@@ -320,23 +325,38 @@ def byte_labels(ids) -> list:
 
 
 class TextTask:
-    """The text-file counterpart of the toy tasks, for :func:`attngrad.train.loop.train`:
-    the corpus is read and checked once, before any training work.  ``tokenizer``: the
-    BPE of a resumed run (read from its folder); None for bytes, or to fit a new BPE."""
+    """The text counterpart of the toy tasks, for :func:`attngrad.train.loop.train`: the
+    corpus (a file, a folder of .txt files or token shards) is read and checked once,
+    before any training work.  ``tokenizer``: the BPE or pretrained tokenizer of a resumed
+    run (read from its folder); None otherwise: bytes, the ``--init-from`` source's
+    tokenizer or the shards' own, or a BPE fitted to the training split."""
 
     def __init__(self, cfg, tokenizer=None):
+        from dataclasses import replace
+
+        from . import shards as S
         from . import tokenizer as K
 
-        if cfg.tokenizer == "bytes":
-            self.corpus = load_corpus(cfg.data, cfg.context, cfg.val_fraction)
-            self.tokenizer, self.unit, self.bytes_per_token = K.ByteTokenizer(), "byte", None
-        else:
+        vocab = cfg.model_config.vocab
+        if cfg.tokenizer != "bytes":
             K.require_tokenizers()
-            self.corpus = load_corpus(cfg.data, cfg.context, cfg.val_fraction, tokenizer=tokenizer,
-                                      fit=lambda text: K.train_bpe(text, cfg.vocab_size))
-            self.tokenizer, self.unit = self.corpus.tokenizer, "token"
-            self.bytes_per_token = self.corpus.val_bytes / len(self.corpus.val)
-        self.unigram = unigram_cross_entropy(self.corpus)
+        if S.is_shards(cfg.data):
+            corpus, meta, hi = S.load_shards(cfg.data, cfg.context, cfg.val_fraction)
+            tok = tokenizer or _shard_tokenizer(cfg, meta, vocab)
+            if hi >= vocab:
+                raise ValueError(f"--data {cfg.data}: holds id {hi}, outside the model's vocabulary of {vocab}")
+            corpus = replace(corpus, tokenizer=tok, val_bytes=None if tok.kind == "bytes" else corpus.val_bytes)
+        else:
+            tok, fit = tokenizer, None
+            if tok is None:
+                tok, fit = _text_tokenizer(cfg, vocab)
+            corpus = load_text(cfg.data, cfg.context, cfg.val_fraction, tok, vocab=vocab, fit=fit)
+            tok = corpus.tokenizer
+        self.corpus, self.tokenizer = corpus, tok
+        self.unit = "byte" if tok.kind == "bytes" else "token"
+        n_val = sum(len(s) for s in segments(corpus.val))
+        self.bytes_per_token = None if corpus.val_bytes is None else corpus.val_bytes / n_val
+        self.unigram = unigram_cross_entropy(corpus)
 
     def stream(self, cfg) -> TextStream:
         return TextStream(self.corpus, cfg.context, cfg.batch_size, cfg.seed)
@@ -353,7 +373,58 @@ class TextTask:
     def samples(self, params, cfg, windows: list, log, n: int = 160) -> list:
         """A greedy continuation of the first validation window's first 32 ids."""
         prompt = np.asarray(windows[0][:32], dtype=np.int64)
-        new = generate(params, cfg, prompt, n, temperature=0.0, vocab_hi=self.tokenizer.used)
+        new = generate(params, cfg, prompt, n, temperature=0.0, vocab_hi=self.tokenizer.used,
+                       vocab_lo=self.tokenizer.lo)
         dec = self.tokenizer.decode
         log(f"  greedy sample: {dec(prompt)!r} -> {dec(new)!r}")
         return [(dec(prompt), dec(new))]
+
+
+def _text_tokenizer(cfg, vocab: int):
+    """(tokenizer, fit) of a fresh text run: bytes; the ``--init-from`` source's tokenizer
+    (a model's tokenizer.json, or a run's BPE) used as it is; else a BPE to fit."""
+    from . import tokenizer as K
+    from .pretrained import source_eod, source_tokenizer_file
+
+    if cfg.tokenizer == "bytes":
+        return K.ByteTokenizer(), None
+    f = source_tokenizer_file(cfg)
+    if cfg.tokenizer == "pretrained":
+        if f is None:
+            raise ValueError("tokenizer='pretrained' encodes --data with the --init-from model's tokenizer.json; "
+                             f"{cfg.init_from!r} has none")
+        return K.load_pretrained_tokenizer(f, vocab, eod=source_eod(cfg)), None
+    if f is not None:
+        return K.load_tokenizer(f, cfg.vocab_size), None
+    return None, (lambda pieces: K.train_bpe(pieces, cfg.vocab_size))
+
+
+def _shard_tokenizer(cfg, meta, vocab: int):
+    """The tokenizer of token shards: their tokens.json's (its sha256 checked), or for
+    shards without one the ``--init-from`` model's; ``cfg.tokenizer`` must name its kind."""
+    from pathlib import Path
+
+    from . import tokenizer as K
+    from .pretrained import source_eod, source_tokenizer_file
+
+    folder = Path(cfg.data).parent if Path(cfg.data).is_file() else Path(cfg.data)
+    src = source_tokenizer_file(cfg)
+    if meta is None:
+        if cfg.tokenizer != "pretrained" or src is None:
+            raise ValueError(f"--data {cfg.data}: token shards without tokens.json name no tokenizer; train "
+                             "--init-from the model whose tokenizer.json made them")
+        return K.load_pretrained_tokenizer(src, vocab, eod=source_eod(cfg))
+    kind = meta.get("tokenizer")
+    if kind != cfg.tokenizer:
+        raise ValueError(f"--data {cfg.data}: its tokens.json says tokenizer={kind!r}; the run has "
+                         f"tokenizer={cfg.tokenizer!r}")
+    if kind == "bytes":
+        return K.ByteTokenizer()
+    f = folder / K.TOKENIZER_FILE
+    if kind == "bpe":
+        return K.load_tokenizer(f, cfg.vocab_size, meta.get("tokenizer_sha256"))
+    tok = K.load_pretrained_tokenizer(f, vocab, meta.get("tokenizer_sha256"), meta.get("eod"))
+    if src is not None and K.load_pretrained_tokenizer(src, vocab).sha256 != tok.sha256:
+        raise ValueError(f"--data {cfg.data}: its tokens were made by another tokenizer than the --init-from "
+                         f"model's ({src}); tokenize the text again with that one")
+    return tok
