@@ -140,9 +140,12 @@ def test_a_module_that_fails_to_load_is_one_line(tmp_path, capsys):
 
 
 def test_a_module_imports_its_neighbours(tmp_path, capsys):
-    (tmp_path / "helpers.py").write_text(MODULE, encoding="utf-8")
-    (tmp_path / "mine.py").write_text("from helpers import backward\n", encoding="utf-8")
-    code, out, _ = _run(["grade", f"{tmp_path / 'mine.py'}:backward", "--flavor", "causal"], capsys)
+    (tmp_path / "grade_helpers.py").write_text(MODULE, encoding="utf-8")
+    (tmp_path / "mine.py").write_text("from grade_helpers import backward\n", encoding="utf-8")
+    try:
+        code, out, _ = _run(["grade", f"{tmp_path / 'mine.py'}:backward", "--flavor", "causal"], capsys)
+    finally:
+        sys.modules.pop("grade_helpers", None)  # the neighbour it imported: not left for other tests
     assert code == 1 and "no causal mask" in out  # it is a self-attention layer: the mask is missing
     assert str(tmp_path) not in sys.path
 
