@@ -249,6 +249,11 @@ def test_torch_tensors_are_accepted():
 
     assert grade(with_torch, "cross").passed
 
+    def in_bfloat16(params, x, m, dy):
+        return {k: torch.tensor(v).to(torch.bfloat16) for k, v in learner(params, x, m, dy).items()}
+
+    assert grade(in_bfloat16, "self").passed  # judged at the low-precision tolerance
+
 
 def test_the_learner_cannot_change_the_case_by_writing_into_its_inputs():
     def vandal(params, x, m, dy):

@@ -82,7 +82,7 @@ def grade(fn, flavor: str, *, heads: int = 2, seed: int = 0, bias: bool = True,
     failing = [k for k in case.truth if k in answers and rows[k].status == FAIL]
     diagnosis = ""
     if failing:
-        best, covering = explain(case, {k: answers[k] for k in answers}, failing, tol)
+        best, covering = explain(case, answers, failing, tol)
         for key in failing:
             rows[key] = _with_hint(rows[key], _hint(case, key, answers[key], best.get(key), tol))
         if covering is not None:
@@ -142,7 +142,10 @@ def _as_array(value) -> tuple:
     try:
         if hasattr(value, "detach"):  # a torch tensor, maybe requiring grad, maybe bfloat16
             value = value.detach().cpu()
-            value = value.numpy() if str(value.dtype) != "torch.bfloat16" else value.float().numpy()
+            if str(value.dtype) == "torch.bfloat16":  # NumPy has none: float16 keeps its tolerance
+                value = value.float().numpy().astype(np.float16)
+            else:
+                value = value.numpy()
         a = np.asarray(value)
     except Exception as exc:  # anything the learner returned that is no array
         return None, f"not an array of numbers: {type(value).__name__} ({exc})"
