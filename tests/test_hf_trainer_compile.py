@@ -255,8 +255,9 @@ def test_hf_sdpa_op_passes_opcheck():
     padded[1, ..., 4:] = False
     patterned = torch.rand(2, 1, 6, 6, generator=g) < 0.7
     for mask in (padded, patterned):
-        args = (q, k, v, None, mask, sinks, None, "none", 0.5, None, [], 0.0, "auto", -1)
-        torch.library.opcheck(hf_structure.hf_sdpa_op, args)
+        for remember in (True, False):
+            args = (q, k, v, None, mask, sinks, None, "none", 0.5, None, [], 0.0, "auto", -1, remember)
+            torch.library.opcheck(hf_structure.hf_sdpa_op, args)
     assert hf_structure.find_structure(padded, 6, 6, None) is not None
     assert hf_structure.find_structure(patterned, 6, 6, None) is None
 
@@ -319,3 +320,25 @@ def test_hf_compile_benchmark_smoke_run():
     assert res.returncode == 0, res.stderr[-2000:]
     assert "first losses equal (1e-5): True" in res.stdout
     assert res.stdout.count("round ") == 2 and "ratio compiled / eager median" in res.stdout
+
+
+def test_the_structure_is_remembered_per_mask_only_when_asked(structure_answers):
+    """Eager callers (remember=True) search a mask once for all layers, and again after an
+    in-place change; compiled ones (remember=False: inductor may reuse a buffer for a new
+    value without bumping its version) search at every call."""
+    q = torch.randn(1, 2, 6, 4, dtype=torch.float64)
+    mask = torch.ones(6, 6, dtype=torch.bool).tril()[None, None].clone()
+
+    def call(remember):
+        return hf_structure.hf_sdpa_op(q, q, q, None, mask, None, None, "none", 0.5, None, [], 0.0, "auto", -1,
+                                       remember)[0]
+
+    call(False), call(False)
+    assert len(structure_answers) == 2
+    call(True), call(True)
+    assert len(structure_answers) == 3
+    mask[0, 0, 5, 0] = False  # in place: the version moves on, no longer causal with padding
+    out = call(True)
+    assert structure_answers == [True, True, True, False]
+    want = torch.softmax((q @ q.transpose(-1, -2) * 0.5).masked_fill(~mask, float("-inf")), dim=-1) @ q
+    assert (out - want).abs().max().item() <= 1e-12

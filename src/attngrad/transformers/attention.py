@@ -157,6 +157,7 @@ def attention_forward(
     out = hf_sdpa_op(
         query, key, value, bias, mask, s_aux, seed, alignment, None if scaling is None else float(scaling),
         None if softcap is None else float(softcap), win, p, "auto", -1 if left is None else left,
+        not torch.compiler.is_compiling(),  # the structure remembered per mask tensor: eager only
     )[0]  # (B, H, Lq, Dv)
     return out.transpose(1, 2).contiguous(), None  # (B, Lq, H, Dv)
 

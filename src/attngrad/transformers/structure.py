@@ -9,15 +9,19 @@ same mask given as ``mask=``, B 4, H 8, L 512, D 32).  Whether the mask is that 
 question about its values; asked in Python it is a graph break under
 ``torch.compile(fullgraph=True)`` (``aten.equal`` is data dependent).  So it is asked here,
 inside an opaque :func:`torch.library.custom_op` whose tensors are real in both modes,
-and asked again by the backward op (the answer is remembered per mask tensor, so every
-layer's forward and backward share one search).  A mask that is not that structure runs as
-``mask=``: the result is the same either way, the structure is only the faster route.
+and asked again by the backward op.  Uncompiled, the answer is remembered per mask tensor
+(every layer's forward and backward share one search; a change in place bumps the tensor's
+version); compiled, every call searches (one pass over the mask), as code that inductor
+generates may write a new value into a buffer it reuses without bumping its version.
+A mask that is not that structure runs as ``mask=``: the result is the same either way, the
+structure is only the faster route.
 
 - ``attngrad::hf_sdpa(q, k, v, bias, mask, sinks, seed, causal, scale, softcap, window,
-  dropout_p, impl, mask_window) -> (out, o_saved, lse, flat, meta)``: as ``attngrad::sdpa``
-  (:mod:`attngrad.torch.ops`) without ALiBi and top-k; ``mask_window`` (the model's
-  sliding window less one, -1 = none) is the window the structure search looks for.  The
-  search runs only where ``mask`` is the whole rule (``causal="none"``, no ``window``);
+  dropout_p, impl, mask_window, remember) -> (out, o_saved, lse, flat, meta)``: as
+  ``attngrad::sdpa`` (:mod:`attngrad.torch.ops`) without ALiBi and top-k; ``mask_window``
+  (the model's sliding window less one, -1 = none) is the window the structure search looks
+  for; ``remember``: keep the answer per mask tensor (eager callers only).  The search runs
+  only where ``mask`` is the whole rule (``causal="none"``, no ``window``);
 - ``attngrad::hf_sdpa_backward(dout, ...) -> (dq, dk, dv, dbias, dsinks)``: the same route,
   then ``attngrad::sdpa_backward`` (closed form, the forward's residuals).
 """
@@ -76,10 +80,12 @@ class Route(NamedTuple):
     window: list[int]
 
 
-def route(q, k, mask, causal: str, window: list[int], mask_window: int) -> Route:
+def route(q, k, mask, causal: str, window: list[int], mask_window: int, remember: bool) -> Route:
     if mask is None or mask.dtype != torch.bool or causal != "none" or window:
         return Route(mask, None, causal, window)
-    found = structure(mask, q.shape[2], k.shape[2], None if mask_window < 0 else mask_window)
+    left = None if mask_window < 0 else mask_window
+    lq, lk = q.shape[2], k.shape[2]
+    found = structure(mask, lq, lk, left) if remember else find_structure(mask, lq, lk, left)
     if found is None:
         return Route(mask, None, causal, window)
     key_mask, win = found
@@ -102,16 +108,18 @@ def hf_sdpa_op(
     dropout_p: float,
     impl: str,
     mask_window: int,
+    remember: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(B, H, Lq, D), (B, Hkv, Lk, D), (B, Hkv, Lk, Dv) -> out (B, H, Lq, Dv) and the
     residuals of ``attngrad::sdpa``."""
-    r = route(q, k, mask, causal, window, mask_window)
+    r = route(q, k, mask, causal, window, mask_window, remember)
     return sdpa_op(q, k, v, bias, r.mask, r.key_mask, sinks, None, seed, r.causal, scale, softcap, r.window,
                    dropout_p, impl)
 
 
 @hf_sdpa_op.register_fake
-def _hf_sdpa_fake(q, k, v, bias, mask, sinks, seed, causal, scale, softcap, window, dropout_p, impl, mask_window):
+def _hf_sdpa_fake(q, k, v, bias, mask, sinks, seed, causal, scale, softcap, window, dropout_p, impl, mask_window,
+                  remember):
     # the shapes do not depend on the route: attngrad::sdpa's own fake
     return sdpa_op(q, k, v, bias, mask, None, sinks, None, seed, causal, scale, softcap, window, dropout_p, impl)
 
@@ -137,16 +145,17 @@ def hf_sdpa_backward_op(
     dropout_p: float,
     impl: str,
     mask_window: int,
+    remember: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv, dbias, dsinks (absent ones empty) on the forward's route."""
-    r = route(q, k, mask, causal, window, mask_window)
+    r = route(q, k, mask, causal, window, mask_window, remember)
     return sdpa_backward_op(dout, q, k, v, bias, r.mask, r.key_mask, sinks, None, seed, o_saved, lse, flat, meta,
                             r.causal, scale, softcap, r.window, dropout_p, impl)[:5]
 
 
 @hf_sdpa_backward_op.register_fake
 def _hf_sdpa_backward_fake(dout, q, k, v, bias, mask, sinks, seed, o_saved, lse, flat, meta, causal, scale, softcap,
-                           window, dropout_p, impl, mask_window):
+                           window, dropout_p, impl, mask_window, remember):
     return sdpa_backward_op(dout, q, k, v, bias, mask, None, sinks, None, seed, o_saved, lse, flat, meta, causal,
                             scale, softcap, window, dropout_p, impl)[:5]
 
