@@ -198,3 +198,23 @@ def test_what_cannot_be_reproduced_is_refused(tmp_path, change, words):
     (tmp_path / "config.json").write_text(json.dumps({**cfg, **change}))
     with pytest.raises(ValueError, match=words.replace("(", r"\(")):
         load_pretrained(tmp_path)
+
+
+# ---------------------------------------------------------------- sampling: the KV cache of the relatives
+
+
+@pytest.mark.parametrize("case", ["llama3", "qwen2", "qwen3-window", "mistral", "llama-bias"])
+def test_kv_cache_logits_equal_the_forward(tmp_path, case):
+    """attngrad sample's KV cache (one position at a time: biases, QK-norm, a head dim of
+    its own, the sliding window, scaled RoPE) gives the model's own logits."""
+    from types import SimpleNamespace
+
+    from attngrad.models import llama
+    from attngrad.train.kvcache import KVCache
+
+    build(tmp_path, case)
+    model = load_pretrained(tmp_path)
+    ids = np.random.default_rng(5).integers(0, 40, 13)
+    cache = KVCache(model.params, SimpleNamespace(model="llama", model_config=model.config))
+    full = llama.forward(model.params, model.config, ids[None])[0][0]  # (L, V)
+    assert rel(cache.logits(ids), full) <= 1e-12

@@ -6,7 +6,7 @@
     theta <- theta (1 - lr_t wd)       (decoupled weight decay; matrices only)        (O4)
     m <- m + (1 - b1)(g - m),   v <- b2 v + (1 - b2) g^2                              (O5)
     theta <- theta - (lr_t / (1 - b1^t)) m / (sqrt(v) / sqrt(1 - b2^t) + eps)          (O6)
-    lr_t = lr r + (lr_k - lr r)(1 + cos(pi s)) / 2,  s = (t - k) / (T - k),  t > k       (O7)
+    lr_t = lr r + (lr_k - lr r)(1 + cos(pi s)) / 2,  s = (t - k) / (T - k),  t >= k      (O7)
 
 (O7) is the schedule of a run resumed at step k > warmup with another total T than it
 had: it goes on from lr_k, the rate of step k, down the same cosine shape to the same floor
@@ -63,7 +63,7 @@ class AdamWConfig:
 def lr_at(step: int, total: int, cfg: AdamWConfig, restart=None) -> float:
     """Learning rate of update number ``step`` (1-based) out of ``total`` (O2, O3); after
     ``restart`` = (k, lr_k), the continued cosine of a changed total (O7)."""
-    if restart is not None and step > restart[0]:
+    if restart is not None and step >= restart[0]:  # (at k itself: lr_k)
         k, lr_k = int(restart[0]), float(restart[1])
         s = min((step - k) / max(total - k, 1), 1.0)
         floor = cfg.lr * cfg.min_lr_ratio
