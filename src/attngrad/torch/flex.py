@@ -23,9 +23,10 @@ float32.  The forward and backward are the ``attngrad::flex`` ops (:mod:`.flex_o
 
 torch.compile(fullgraph=True): the score and mask functions are traced once, while the
 graph is compiled (:func:`plan`); the captured tensors are read in the graph from the
-variables that hold them, and the op is an opaque node of it.  A function defined inside
-another (a closure made in ``forward``, ``and_masks``) is traced outside the graph, as is a
-captured tensor that no variable of the function holds: one graph break there.
+globals that hold them, and the op is an opaque node of it.  A function with closure
+variables (one defined in ``forward``, ``and_masks``) is traced outside the graph, as is a
+captured tensor that no variable of the function holds: one graph break there (compile
+without ``fullgraph``).
 """
 
 from __future__ import annotations
@@ -104,10 +105,11 @@ def plan(score_mod, mask_mod) -> tuple:
 plan_outside = torch.compiler.disable(plan)  # the same, run outside the graph (a graph break)
 
 
-def _local(fn) -> bool:
-    """A function defined inside another (its closure may be made inside a compiled graph,
-    which assume_constant_result cannot take)."""
-    return fn is not None and "<locals>" in getattr(fn, "__qualname__", "")
+def _closure(fn) -> bool:
+    """A function with closure variables: it may have been made inside the compiled graph
+    (a score function defined in ``forward``), which assume_constant_result cannot take."""
+    code = getattr(fn, "__code__", None)
+    return fn is not None and (code is None or bool(code.co_freevars))
 
 
 @torch.compiler.disable
@@ -149,7 +151,7 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         scale = float(scale)
     B, H, Lq = query.shape[:3]
     mask_mod = None if block_mask is None else block_mask.mask_mod
-    local = torch.compiler.is_compiling() and (_local(score_mod) or _local(mask_mod))
+    local = torch.compiler.is_compiling() and (_closure(score_mod) or _closure(mask_mod))
     program, mask_program, paths, mask_paths = (plan_outside if local else plan)(score_mod, mask_mod)
     if None in paths or None in mask_paths:
         caps, mask_caps = captured_tensors(score_mod, mask_mod)
