@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import algebra as A
-from .nodes import BOOL, FLOAT, INDEX_NAMES, INT, Node, const, gather, leaf
+from .nodes import BOOL, FLOAT, INDEX_NAMES, INT, Node, const, gather, leaf, uses
 from .symbols import ScoreModError, Symbol
 
 
@@ -140,7 +140,7 @@ class Tracer:
                 raise ScoreModError("captured tensors must be read one element at a time "
                                     "(bias[h, q_idx - kv_idx]); slices, None, ... and index lists cannot be traced")
             n = self.operand(i)
-            if n.kind == FLOAT:
+            if n.kind == FLOAT or uses([n], "score"):
                 raise ScoreModError("a captured tensor read at a float index (an index computed from the score) "
                                     "cannot be derived")
             nodes.append(A.to_int(n))
@@ -258,7 +258,7 @@ def _wrap_arrays(fn, tracer: Tracer):
     def swap(value):
         if isinstance(value, Captured):
             return Captured(value.name, value.array, tracer)
-        if isinstance(value, np.ndarray) and value.ndim > 0:
+        if isinstance(value, np.ndarray):
             return Captured(names.get(id(value), ("captured", None))[0], value, tracer)
         if isinstance(value, dict) and any(isinstance(v, np.ndarray | Captured) for v in value.values()):
             return {k: swap(v) for k, v in value.items()}
