@@ -1,4 +1,4 @@
-"""The affine layer's products on the tiled path's workers from products.ALONE_MIN_FLOPS:
+"""The affine layer's products on the tiled path's workers from products.MIN_FLOPS:
 right (float64 reference written here), the same bits at any core count, and on the
 workers exactly where the size rule says."""
 
@@ -15,8 +15,9 @@ pytestmark = pytest.mark.skipif(fused.products() is None, reason="the pooled pro
 
 def test_the_size_rule_reads_shapes_only():
     assert products.alone(4096, 128, 512)  # a char-sized feed-forward product: 2^29 flops
-    assert not products.alone(4096, 64, 128)  # the default size's: 2^26
-    assert products.alone(1, 1, products.ALONE_MIN_FLOPS // 2) and not products.alone(1, 1, products.ALONE_MIN_FLOPS // 2 - 1)
+    assert products.alone(4096, 64, 128)  # the default size's: 2^26
+    assert not products.alone(4096, 64, 64)  # 2^25: one call on the calling thread
+    assert products.alone(1, 1, products.MIN_FLOPS // 2) and not products.alone(1, 1, products.MIN_FLOPS // 2 - 1)
 
 
 def _layer(rng, n, e, f, dtype):
@@ -54,14 +55,17 @@ def test_pooled_layer_has_the_same_bits_on_any_number_of_cores(monkeypatch, core
         assert np.array_equal(a, b)
 
 
-@pytest.mark.parametrize("shape", [(4096, 128, 512), (4096, 64, 128)])
+@pytest.mark.parametrize("shape", [(4096, 128, 512), (4096, 64, 128), (1024, 64, 64)])
 def test_the_layer_uses_the_workers_exactly_where_the_rule_says(monkeypatch, shape):
-    calls = []
-    real = products.matmuls
-    monkeypatch.setattr(products, "matmuls", lambda jobs: calls.append(len(jobs)) or real(jobs))
+    hand_outs = []
+    monkeypatch.setattr(products.crew, "run", lambda *_a: hand_outs.append("crew") or False)
+    serial = []
+    real_serial = products.serial
+    monkeypatch.setattr(products, "serial", lambda *a, **k: serial.append(1) or real_serial(*a, **k))
     _layer(np.random.default_rng(1), *shape, np.float32)
-    # the forward, then dW and dX in one hand-out; or NumPy for all three
-    assert calls == ([1, 2] if products.alone(*shape) else [])
+    # the forward, then dW and dX in one hand-out; or one call of the private BLAS each
+    assert hand_outs == (["crew", "crew"] if products.alone(*shape) else [])
+    assert len(serial) == (0 if products.alone(*shape) else 2)  # (the forward: the bias written first)
 
 
 def _swiglu(rng, n, e, f):

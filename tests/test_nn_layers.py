@@ -97,7 +97,6 @@ def test_linear_relu_and_gate_equal_the_separate_layers(on_workers, dtype, monke
     if on_workers:
         if fused.products() is None:
             pytest.skip("the compiled loops (numba) are off")
-        monkeypatch.setattr(products, "ALONE_MIN_FLOPS", 0)
         monkeypatch.setattr(products, "MIN_FLOPS", 0)
     rng = np.random.default_rng(7)
     x = rng.standard_normal((3, 70, 9)).astype(dtype)

@@ -367,7 +367,7 @@ def test_a_sum_in_parts_only_where_k_is_long_and_c_small_and_nothing_is_added(mo
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize(("trans_a", "trans_b"), [(False, False), (True, False), (False, True)])
 def test_small_products_run_as_one_call_of_the_private_blas(dtype, trans_a, trans_b, monkeypatch):
-    """products.serial: op(a) op(b) below SERIAL_MAX_FLOPS as one call of the compiled
+    """products.serial: op(a) op(b) below MIN_FLOPS as one call of the compiled
     loops' own BLAS where that is not NumPy's (MKL), within float rounding of the float64
     product and bitwise the same whatever NumPy's BLAS thread count; None (NumPy's turn)
     for larger products, other dtypes or array kinds, a mismatch, an empty inner size, or
@@ -392,10 +392,10 @@ def test_small_products_run_as_one_call_of_the_private_blas(dtype, trans_a, tran
     assert products.serial(a.astype(np.float16), b.astype(np.float16), trans_a=trans_a, trans_b=trans_b) is None
     assert products.serial(np.ones((3, 0), dtype), np.ones((0, 2), dtype)) is None
     assert products.serial(a, b[:-1] if not trans_b else b[:, :-1], trans_a=trans_a, trans_b=trans_b) is None
-    monkeypatch.setattr(products, "SERIAL_MAX_FLOPS", 2 * 300 * 40 * 70)
+    monkeypatch.setattr(products, "MIN_FLOPS", 2 * 300 * 40 * 70)
     assert products.serial(a, b, trans_a=trans_a, trans_b=trans_b) is None
     monkeypatch.setattr(fused, "private_blas", lambda: False)
-    monkeypatch.setattr(products, "SERIAL_MAX_FLOPS", 1 << 40)
+    monkeypatch.setattr(products, "MIN_FLOPS", 1 << 40)
     assert products.serial(a, b, trans_a=trans_a, trans_b=trans_b) is None
 
 
@@ -446,11 +446,9 @@ def test_a_gate_of_another_shape_or_both_epilogues_are_errors():
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize(("m", "k", "n"), [(4096, 64, 64), (300, 40, 24), (9, 5, 3)])
 def test_with_bias_is_the_product_plus_the_bias(dtype, m, k, n):
-    """products.with_bias (the bias written into C, the GEMM adding to it: NumPy's BLAS from
-    SERIAL_MAX_FLOPS, MKL's sequential layer below where installed): a @ b + bias against
-    float64, a new array, a NaN in the bias kept; the same bits on every call.  (Not across
-    NumPy's BLAS thread counts: OpenBLAS splits rows between its threads where its kernels
-    round them differently, as it does in ``a @ b``; docs/training.md.)"""
+    """products.with_bias (the bias written into C, the private BLAS's GEMM adding to it, one
+    call on the calling thread below MIN_FLOPS): a @ b + bias against float64, a new array,
+    a NaN in the bias kept; the same bits on every call."""
     rng = np.random.default_rng([m, k, n])
     a, b = _operands(rng, m, k, n, False, False, dtype)
     bias = rng.standard_normal(n).astype(dtype)

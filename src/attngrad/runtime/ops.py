@@ -54,26 +54,23 @@ def merge_heads(xp, x: Array) -> Array:
 
 def matmul(xp, a: Array, b: Array, *, trans_a: bool = False, trans_b: bool = False,
            pool: bool = False) -> Array:
-    """op(A) op(B) for 2-D A, B, op = the transpose where asked (a flag, not a copy), with
-    ``@``; with ``pool``, large NumPy products run on the tiled path's workers instead
-    (:func:`attngrad.runtime.products.matmul`), for callers whose attention runs there too
-    (no BLAS thread pool left spinning beside those workers); without, small NumPy ones
-    run as one call of MKL's sequential layer where the ``mkl`` extra is installed
-    (:func:`attngrad.runtime.products.serial`).  Returns a new array."""
-    if type(a) is np.ndarray:
-        if pool:
-            return products.matmul(a, b, trans_a=trans_a, trans_b=trans_b)
-        c = products.serial(a, b, trans_a=trans_a, trans_b=trans_b)  # small: one MKL call, where installed
-        if c is not None:
-            return c
+    """op(A) op(B) for 2-D A, B, op = the transpose where asked (a flag, not a copy).
+    NumPy arrays go to :func:`attngrad.runtime.products.matmul`: a small product as one
+    call of the private BLAS on the calling thread, a large one in blocks on attngrad's
+    workers (no product on NumPy's own threaded BLAS, whose threads would spin beside
+    attngrad's); other arrays ``@``.  ``pool`` changes nothing here (the route depends on
+    the shapes alone); the layers pass it.  Returns a new array."""
+    if type(a) is np.ndarray:  # small: one call of the private BLAS; large: on the workers
+        return products.matmul(a, b, trans_a=trans_a, trans_b=trans_b)
     return (xp.matrix_transpose(a) if trans_a else a) @ (xp.matrix_transpose(b) if trans_b else b)
 
 
 def matmuls(xp, jobs, *, pool: bool = False) -> list:
-    """:func:`matmul` of each ``(a, b, trans_a, trans_b)`` of ``jobs``, in order; with
-    ``pool`` and NumPy arrays, in one hand-out to the tiled path's workers
-    (:func:`attngrad.runtime.products.matmuls`: one wake-up for all of them)."""
-    if pool and all(type(j[0]) is np.ndarray for j in jobs):
+    """:func:`matmul` of each ``(a, b, trans_a, trans_b)`` of ``jobs``, in order; NumPy
+    arrays in one hand-out to the workers where they go there
+    (:func:`attngrad.runtime.products.matmuls`: one wake-up for all of them; each C
+    bitwise what it would be alone)."""
+    if all(type(j[0]) is np.ndarray for j in jobs):
         return products.matmuls(jobs)
     return [matmul(xp, a, b, trans_a=ta, trans_b=tb) for a, b, ta, tb in jobs]
 
@@ -84,9 +81,9 @@ def project(xp, x: Array, w: Array, b: Array | None = None, *, pool: bool = Fals
     reshape = _shape_ops(xp, x)[0]
     *lead, n_in = x.shape
     x2 = reshape(x, (math.prod(lead), n_in))  # (N, in)
-    if pool and products.pooled(x2, w, bias=b):  # the bias added inside each block of rows
+    if products.pooled(x2, w, bias=b):  # the bias added inside each block of rows
         return reshape(products.matmul(x2, w, bias=b), (*lead, w.shape[1]))  # (F1) (..., out)
-    if b is not None and not pool and type(x2) is np.ndarray:
+    if b is not None and type(x2) is np.ndarray:
         y = products.with_bias(x2, w, b)  # the bias written first, the GEMM adding to it
         if y is not None:
             return reshape(y, (*lead, w.shape[1]))  # (F1) (..., out)

@@ -132,13 +132,19 @@ def _check(job: Product) -> tuple:
 
 
 def _numpy(job: Product):
+    """A product :func:`pooled` declines: one call of the private BLAS on the calling thread
+    where :func:`serial` takes it (a small product), else NumPy's matmul; then the bias and
+    the epilogue as NumPy rounds them."""
     a, b, trans_a, trans_b, bias, out, add, relu, gate = job
+    c = serial(a, b, trans_a=trans_a, trans_b=trans_b)
+    if c is None:
+        c = np.matmul(a.T if trans_a else a, b.T if trans_b else b, out=None if add else out)
+    elif out is not None and not add:
+        c = np.copyto(out, c) or out
     if add:
-        c = np.add(out, np.matmul(a.T if trans_a else a, b.T if trans_b else b), out=out)
-    else:
-        c = np.matmul(a.T if trans_a else a, b.T if trans_b else b, out=out)
-        if bias is not None:
-            c = np.add(c, bias, out=c)
+        c = np.add(out, c, out=out)
+    elif bias is not None:
+        c = np.add(c, bias, out=c)
     if relu:
         c = np.maximum(c, 0, out=c)  # (G1)
     if gate is not None:
@@ -285,38 +291,31 @@ def matmuls(jobs) -> list:
     return cs
 
 
-# 2 M K N from which a layer's own products (not beside the attention core) run on the
-# workers: at a char-sized language model's feed-forward and output layers (2^29 flops a
-# product) NumPy's threaded BLAS leaves a thread spinning that slows the workers' next
-# hand-out; at the default size's (2^26) NumPy's threaded BLAS is the faster.
-ALONE_MIN_FLOPS = 1 << 28
-
-
 def alone(m: int, k: int, n: int) -> bool:
     """Whether a layer whose products are not beside the attention core (a feed-forward or
     output layer) runs its (m, k) x (k, n) products on the workers (``pool=True`` of
-    :func:`attngrad.runtime.ops.matmul`): from ALONE_MIN_FLOPS.  Shapes alone decide, never a
-    thread count (docs/benchmarks.md, the language-model step)."""
-    return 2 * m * k * n >= ALONE_MIN_FLOPS
-
-
-SERIAL_MAX_FLOPS = 1 << 25  # 2 M K N below this: one thread, where a threaded BLAS gains little
+    :func:`attngrad.runtime.ops.matmul`, its ReLU fused into the blocks): from MIN_FLOPS,
+    as every product.  Shapes alone decide, never a thread count."""
+    return 2 * m * k * n >= MIN_FLOPS
 
 
 def _serial_blas(m: int, k: int, n: int) -> bool:
-    """Whether an (m, k) x (k, n) product off the workers runs as one call of MKL's
-    sequential layer (:func:`serial`, :func:`with_bias`): below SERIAL_MAX_FLOPS, where the
-    compiled loops' BLAS is private.  Shapes alone decide."""
-    return k > 0 and 2 * m * k * n < SERIAL_MAX_FLOPS and fused.private_blas()
+    """Whether an (m, k) x (k, n) product runs as one call of the private BLAS on the
+    calling thread (:func:`serial`, :func:`with_bias`): below MIN_FLOPS (from there it runs
+    on the workers), where the compiled loops' BLAS is private.  So no product of attngrad's
+    runs on NumPy's own threaded BLAS where a private one is installed.  Shapes alone
+    decide."""
+    return k > 0 and 2 * m * k * n < MIN_FLOPS and fused.private_blas()
 
 
 def serial(a, b, *, trans_a: bool = False, trans_b: bool = False):
     """op(a) op(b) as one call of the compiled loops' own BLAS on the calling thread (MKL's
-    sequential layer, :func:`.fused.private_blas`), for NumPy float32/float64 products of
-    fewer than SERIAL_MAX_FLOPS, or None where that does not apply (no private BLAS, other
-    operands, larger products: the caller uses NumPy).  The choice depends on the operands
-    alone, never on a thread count.  Why: at the training step's small sizes MKL's
-    single-threaded products are faster than OpenBLAS's (docs/benchmarks-archive.md)."""
+    sequential layer or the private OpenBLAS, :func:`.fused.private_blas`), for NumPy
+    float32/float64 products of fewer than MIN_FLOPS, or None where that does not apply
+    (no private BLAS, other operands, larger products: the caller hands them to the
+    workers, or NumPy).  The choice depends on the operands alone, never on a thread
+    count.  Why: a hand-out to the workers costs more than such a product gains from it,
+    and NumPy's own threaded BLAS would leave threads spinning beside attngrad's."""
     a, trans_a = rows_first(a, trans_a)
     b, trans_b = rows_first(b, trans_b)
     if not _blas_operands(a, b):
@@ -336,8 +335,8 @@ def with_bias(a, b, bias):
     calling thread, the bias's rows written into C first and the product added to them
     (beta = 1), for NumPy float32/float64 operands BLAS reads as they lie and a bias of
     their dtype; None where that does not apply (the caller uses ``a @ b + bias``).
-    The BLAS is the one ``a @ b`` would use: MKL's sequential layer below SERIAL_MAX_FLOPS
-    where :func:`serial` takes it, else NumPy's own (its threads as it has them).  Why: ``a @
+    The BLAS is the private one of :func:`serial` (below MIN_FLOPS; larger products
+    run on the workers, :func:`matmul` with ``bias``).  Why: ``a @
     b`` zeroes C before the product (beta = 0) and the bias is then another pass over C;
     here one pass writes the bias and the GEMM adds to it, 15-20 % faster at the default
     language model's projections (docs/benchmarks.md).  The bias enters the BLAS's sum:
@@ -348,17 +347,9 @@ def with_bias(a, b, bias):
         return None
     m, k = a.shape[::-1] if trans_a else a.shape
     kb, n = b.shape[::-1] if trans_b else b.shape
-    if k != kb or bias.shape != (n,) or k == 0 or not fused.enabled():
+    if k != kb or bias.shape != (n,) or k == 0 or not fused.enabled() or not _serial_blas(m, k, n):
         return None  # (a mismatch: NumPy names it)
-    if _serial_blas(m, k, n):
-        blas = fused.products()[1]  # MKL's sequential layer, as serial()
-    else:
-        from ._blas import cblas_gemm
-
-        found = cblas_gemm("numpy")
-        if found is None:  # pragma: no cover - depends on how NumPy was built
-            return None
-        blas = (found.sgemm, found.dgemm, found.ilp64)
+    blas = fused.products()[1]  # the private BLAS, as serial()
     from ._tiled_kernels import gemm
 
     c = np.empty((m, n), dtype=a.dtype)
