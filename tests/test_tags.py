@@ -6,7 +6,8 @@ letters and a number; ``(A4-A10)`` cites the range A4 ... A10.
 *Defined* means the tag labels an equation: it is the first cell of a row of a table
 whose header's first cell is "tag" (``| tag | equation |`` ... ``| (A4) | dV = Pᵀ dO |``,
 as docs/equations.md and docs/training.md write them), or it opens an indented equation
-line (``    (J2)  Ṗ = ...``, docs/derivation.md's equation blocks).  A tag in prose, at the
+line (``    (J2)  Ṗ = ...``), or it is the ``\tag{J2}`` of a display-maths block (``$$ ... $$``,
+typeset by KaTeX on the site: docs/derivation.md's equations).  A tag in prose, at the
 end of a line, in an index table (``| tags | where in the code |``) or in a fenced code
 block is a reference, not a definition.
 
@@ -29,6 +30,7 @@ TAG = r"[A-Z]{1,3}[0-9]{1,2}"
 CITE = re.compile(rf"\(({TAG})(?:\s*[-–]\s*({TAG}))?\)")
 TABLE_LABEL = re.compile(rf"^\|\s*\(({TAG})\)\s*\|")
 LINE_LABEL = re.compile(rf"^(?: {{4,}}|\t)\s*\(({TAG})\)\s+\S")  # an indented equation line
+DISPLAY_LABEL = re.compile(rf"\\tag\*?\{{({TAG})\}}")  # \tag{J2} in a $$ display-maths block
 LONG_FORM, RECORD = "derivation.md", "equations.md"
 
 
@@ -55,8 +57,13 @@ def cited_tags(root: Path = SRC) -> dict[str, list[str]]:
 
 def label_lines(text: str) -> list[tuple[int, str, str]]:
     """(line number, tag, kind) for each line of a Markdown text that a tag labels."""
-    found, fenced, header, previous = [], False, "", ""
+    found, fenced, header, previous, display = [], False, "", "", False
     for lineno, line in enumerate(text.splitlines(), 1):
+        if not fenced and (display or line.lstrip().startswith("$$")):
+            found += [(lineno, m.group(1), "display") for m in DISPLAY_LABEL.finditer(line)]
+            display ^= line.count("$$") % 2 == 1  # a block opens or closes on this line
+            previous = line
+            continue
         if line.lstrip().startswith("```"):
             fenced = not fenced  # code (a runnable snippet) defines nothing
         elif not fenced and line.startswith("|"):
@@ -128,6 +135,12 @@ def test_definitions_are_labels_not_mentions():
     }
     assert definitions(docs) == {"A1": ["docs/equations.md:3"], "J1": ["docs/derivation.md:6"],
                                  "TB1": ["docs/training.md:3"]}
+    # display maths: \tag{} inside $$ ... $$ labels; \tag{} in inline maths or prose does not
+    docs = {RECORD: "| tag | eq |\n|---|---|\n| (A1) | S = s Q Kᵀ |\n",
+            LONG_FORM: "$$\nS = s QK^\\top \\tag{A1}\n$$\n\n$$ \\dot S = s \\tag{J1} $$\n"
+                       "$\\tag{J2}$ and \\tag{J3}\n$$\n\\begin{gathered} \\dot O \\end{gathered}\n\\tag{J4}\n$$\n"}
+    assert definitions(docs) == {"A1": ["docs/equations.md:3"], "J1": ["docs/derivation.md:5"],
+                                 "J4": ["docs/derivation.md:9"]}
 
 
 def test_a_tag_naming_two_equations_is_caught():
