@@ -29,6 +29,7 @@ from .dense import (
 )
 from .dense import on_workers as _dense_on_workers
 from .lse import attention_lse, check_dlse
+from .max_logit import max_logit
 from .options import AttentionOptions
 from .problem import SDPAShape, make_problem, validate_qkv
 from .tiled import TiledCache, Tiling, choose_impl, make_tiling, tiled_backward, tiled_forward
@@ -77,9 +78,13 @@ def sdpa_forward(
     block_k=None,
     threads=None,
     out=None,
+    return_max_logit=False,
 ):
     """Attention forward.  Returns ``(out, cache)``; ``out`` is (B, H, Lq, Dv), a fresh array
-    (or the ``out`` given).
+    (or the ``out`` given).  ``return_max_logit=True``: ``(out, cache, max_logit)``, max_logit
+    (B, H) each head's largest allowed logit after the soft-cap, bias and ALiBi (ML1; -inf
+    for a head with none; no gradient), for QK-clip (:mod:`.max_logit`: the logits formed
+    again, tile by tile).
 
     q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv); H a multiple of Hkv.
     The logits, in FlashAttention's order: S = scale Q K^T -> soft-cap -> + bias + ALiBi
@@ -116,7 +121,14 @@ def sdpa_forward(
         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, dropout_p=dropout_p,
         dropout_seed=dropout_seed, scale_grad=scale_grad, kv_indices=kv_indices,
     )
-    return forward(q, k, v, options, make_run(impl, block_q, block_k, threads, out))
+    if not isinstance(return_max_logit, bool):
+        raise TypeError(f"return_max_logit must be True or False; got {return_max_logit!r}")
+    o, cache = forward(q, k, v, options, make_run(impl, block_q, block_k, threads, out))
+    if not return_max_logit:
+        return o, cache
+    xp, prob = namespace(q), cache.problem
+    qc, kc = (xp.astype(t, prob.cdt, copy=False) for t in (q, k))
+    return o, cache, max_logit(xp, qc, kc, prob, threads)  # (ML1)
 
 
 class Run(NamedTuple):

@@ -111,6 +111,7 @@ def scaled_dot_product_attention(
     kv_indices=None,
     return_lse=False,
     impl="auto",
+    return_max_logit=False,
 ):
     """Drop-in for ``torch.nn.functional.scaled_dot_product_attention`` on attngrad's fast path.
 
@@ -126,7 +127,9 @@ def scaled_dot_product_attention(
     integer tensor (..., Hkv, Lq, K) or (..., 1, Lq, K) (the dims before the heads those of
     query, broadcast): query i of head h attends keys ``kv_indices[..., h // G, i, :]``, -1
     an empty slot.  return_lse: return ``(out, lse)``, lse (..., Hq, Lq) in query's dtype,
-    -inf for a row with nothing to attend; a loss may use both.
+    -inf for a row with nothing to attend; a loss may use both.  return_max_logit: also
+    the (..., Hq) largest allowed logit of each head (after softcap, bias, ALiBi; ML1; no
+    gradient), appended: ``(out, max_logit)`` or ``(out, lse, max_logit)``.
     """
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
@@ -166,9 +169,25 @@ def scaled_dot_product_attention(
         _window_arg(window), p, impl, **extra,
     )  # out (B, H, Lq, Dv), lse (B, H, Lq) float64
     out = out.reshape(*lead, *out.shape[2:])  # (..., Hq, Lq, Dv)
-    if not return_lse:
-        return out
-    return out, lse.to(out.dtype).reshape(*lead, lse.shape[2])  # (..., Hq, Lq)
+    result = (out, lse.to(out.dtype).reshape(*lead, lse.shape[2])) if return_lse else (out,)  # (..., Hq, Lq)
+    if return_max_logit is not False:
+        result += (_max_logit(q, k, v, bias, mask, alibi_slopes, query, is_causal, scale, softcap, window,
+                              return_max_logit, kv_indices).reshape(lead),)  # (..., Hq) (ML1)
+    return result[0] if len(result) == 1 else result
+
+
+def _max_logit(q, k, v, bias, mask, alibi_slopes, query, is_causal, scale, softcap, window, flag, kv_indices):
+    """(B, H) each head's largest allowed logit (ML1), from detached tensors: no gradient."""
+    from attngrad.torch.max_logit import max_logit_op
+
+    if not isinstance(flag, bool):
+        raise TypeError(f"return_max_logit must be a bool; got {type(flag).__name__}")
+    if kv_indices is not None:
+        raise ValueError("return_max_logit is not available with kv_indices (top-k attention)")
+    alibi = _per_head("alibi_slopes", alibi_slopes, query)
+    return max_logit_op(q.detach(), k.detach(), v.detach(), None if bias is None else bias.detach(), mask,
+                        None if alibi is None else alibi.detach(), "top_left" if is_causal else "none",
+                        _real("scale", scale), _real("softcap", softcap, True), _window_arg(window))
 
 
 def _indices(kv_indices, query, lead: tuple, lq: int):

@@ -1,0 +1,46 @@
+"""The ``attngrad::max_logit`` custom operator: each head's largest allowed logit (ML1).
+
+``scaled_dot_product_attention(..., return_max_logit=True)`` calls it beside the
+``attngrad::sdpa`` op, on detached tensors (the max logit has no gradient, as Transformer
+Engine's): the logits of the same options formed again (:func:`attngrad.core.max_logit.max_logit`:
+tile by tile on CPU, skipping the tiles the mask excludes; whole on other devices).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from attngrad.core.max_logit import max_logit
+from attngrad.core.problem import make_problem
+from attngrad.torch.ops import _np, _options
+
+
+@torch.library.custom_op("attngrad::max_logit", mutates_args=())
+def max_logit_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    alibi: torch.Tensor | None,
+    causal: str,
+    scale: float | None,
+    softcap: float | None,
+    window: list[int],
+) -> torch.Tensor:
+    """(B, H, Lq, D), (B, Hkv, Lk, D), (B, Hkv, Lk, Dv) -> (B, H) in q's dtype (ML1)."""
+    if q.device.type != "cpu":
+        options = _options(bias, mask, None, None, alibi, None, causal, scale, softcap, window, 0.0, lambda t: t)
+        prob = make_problem(torch, q, k, v, options)
+        return max_logit(torch, q.to(prob.cdt), k.to(prob.cdt), prob).to(q.dtype).contiguous()
+    options = _options(bias, mask, None, None, alibi, None, causal, scale, softcap, window, 0.0, _np)
+    qn, kn, vn = _np(q), _np(k), _np(v)
+    prob = make_problem(np, qn, kn, vn, options)
+    top = max_logit(np, qn.astype(prob.cdt, copy=False), kn.astype(prob.cdt, copy=False), prob)
+    return torch.from_numpy(np.ascontiguousarray(top, dtype=np.float64)).to(q.dtype)
+
+
+@max_logit_op.register_fake
+def _max_logit_fake(q, k, v, bias, mask, alibi, causal, scale, softcap, window):
+    return q.new_empty(q.shape[:2])
