@@ -23,7 +23,12 @@ MUTANTS = (
     "dq_random_order",  # dQ summed over key blocks in a random order
     "fp16_accum",  # a float32 kernel that computes in float16
     "dv_fp16_accum",  # a float16 kernel (float32 arithmetic) whose dV = P^T dO is summed in float16
+    "dqdk_fp16_accum",  # a float16 kernel whose dQ = dS K and dK = dS^T Q are summed in float16
 )
+
+# correct variants (not bugs): "fa2_rounding" rounds P and dS to the half dtype before their
+# products and takes delta from the rounded output, as FlashAttention-2 does
+CORRECT_VARIANTS = ("fa2_rounding",)
 
 FEATURES = {"gqa", "dv", "mask", "padding", "fully_masked", "causal", "causal_top_left",
             "causal_bottom_right", "bias", "bias_grad", "dropout", "float64", "float32", "float16"}
@@ -35,8 +40,12 @@ class NumpyAttention:
     attngrad_features = FEATURES
 
     def __init__(self, mutant: str | None = None):
-        assert mutant in (None, *MUTANTS), mutant
+        assert mutant in (None, *MUTANTS, *CORRECT_VARIANTS), mutant
         self.mutant = mutant
+
+    def _half(self, x, dt):
+        """x rounded to the half dtype where the FlashAttention-2-style variant rounds."""
+        return x.astype(dt).astype(x.dtype) if self.mutant == "fa2_rounding" and dt == np.float16 else x
 
     def forward(self, q, k, v, *, scale, mask=None, key_lengths=None, causal=None, bias=None,
                 dropout_p=0.0, dropout_seed=None):
@@ -78,8 +87,9 @@ class NumpyAttention:
 
             keep = np.asarray(attngrad.dropout_mask(dropout_seed, (B, H, Lq, Lk), dropout_p))
         pd = p if keep is None else p * keep / work(1 - dropout_p)
-        out = pd @ vv  # (B, H, Lq, Dv)
+        out = self._half(pd, dt) @ vv  # (B, H, Lq, Dv)
         ctx = dict(q=q.astype(work), kk=kk, vv=vv, p=p, pd=pd, heads=heads, hkv=Hkv, scale=scale,
+                   out=self._half(out, dt),
                    bias_shape=None if bias is None else bias.shape, dt=dt, work=work,
                    dropout=(dropout_p, dropout_seed), k_shape=k.shape, v_shape=v.shape)
         return out.astype(dt), ctx
@@ -88,7 +98,7 @@ class NumpyAttention:
         work = c["work"]
         do = dout.astype(work)
         p, pd = c["p"], c["pd"]
-        dvv = np.swapaxes(pd, -1, -2) @ do  # (B, H, Lk, Dv)
+        dvv = np.swapaxes(self._half(pd, c["dt"]), -1, -2) @ do  # (B, H, Lk, Dv)
         if self.mutant == "dv_fp16_accum" and c["dt"] == np.float16:
             # a float16 accumulator over blocks of 16 queries (NumPy's own float16 matmul
             # accumulates in float32, so the accumulator is rounded here by hand)
@@ -107,8 +117,22 @@ class NumpyAttention:
             keep = np.asarray(attngrad.dropout_mask(seed, p.shape, rate))
             dp = dp * keep / work(1 - rate)
         delta = 0 if self.mutant == "no_delta" else np.sum(dp * p, axis=-1, keepdims=True)
+        if self.mutant == "fa2_rounding" and c["dt"] == np.float16 and not rate:
+            delta = np.sum(do * c["out"], axis=-1, keepdims=True)  # rowsum(dO * O), O rounded
         ds = p * (dp - delta)  # (B, H, Lq, Lk)
-        if self.mutant == "dq_random_order":
+        ds16 = self._half(ds, c["dt"])
+        if self.mutant == "dqdk_fp16_accum" and c["dt"] == np.float16:
+            # float16 accumulators over blocks of 16 keys (dQ) and 16 queries (dK)
+            sc = work(c["scale"])
+            dq = np.zeros(c["q"].shape, dtype=np.float16)
+            for j in range(0, ds.shape[-1], 16):
+                dq = (dq + (ds[..., j:j + 16] @ c["kk"][..., j:j + 16, :]) * sc).astype(np.float16)
+            dkk = np.zeros(c["kk"].shape, dtype=np.float16)
+            dst = np.swapaxes(ds, -1, -2)  # (B, H, Lk, Lq)
+            for i in range(0, dst.shape[-1], 16):
+                dkk = (dkk + (dst[..., i:i + 16] @ c["q"][..., i:i + 16, :]) * sc).astype(np.float16)
+            dq, dkk = dq.astype(work), dkk.astype(work)
+        elif self.mutant == "dq_random_order":
             blocks = list(range(0, ds.shape[-1], 4))
             np.random.default_rng().shuffle(blocks)
             dq = np.zeros(c["q"].shape, dtype=work)
@@ -116,10 +140,11 @@ class NumpyAttention:
                 dq += ds[..., j:j + 4] @ c["kk"][..., j:j + 4, :]
             dq = dq * c["scale"]
         else:
-            dq = (ds @ c["kk"]) * work(c["scale"])
-        dkk = np.swapaxes(ds, -1, -2) @ c["q"]  # (B, H, Lk, D)
-        if self.mutant != "dk_no_scale":
-            dkk = dkk * work(c["scale"])
+            dq = (ds16 @ c["kk"]) * work(c["scale"])
+        if self.mutant != "dqdk_fp16_accum" or c["dt"] != np.float16:
+            dkk = np.swapaxes(ds16, -1, -2) @ c["q"]  # (B, H, Lk, D)
+            if self.mutant != "dk_no_scale":
+                dkk = dkk * work(c["scale"])
         dk = np.zeros(c["k_shape"], dtype=np.float64)
         dv = np.zeros(c["v_shape"], dtype=np.float64)
         for h, g in enumerate(c["heads"]):
@@ -138,10 +163,19 @@ class NumpyAttention:
 
 
 def torch_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-               enable_gqa=False):
-    """A correct plain-torch kernel with scaled_dot_product_attention's signature."""
+               enable_gqa=False, half_arithmetic=False):
+    """A correct plain-torch kernel with scaled_dot_product_attention's signature: float32
+    arithmetic for half inputs, as PyTorch's math backend and fused kernels compute.
+    ``half_arithmetic=True`` plants the bug of computing the logits and softmax in the half dtype."""
     import torch
 
+    dt = query.dtype
+    if dt in (torch.float16, torch.bfloat16) and not half_arithmetic:
+        query, key, value = query.float(), key.float(), value.float()
+        if attn_mask is not None and attn_mask.dtype != torch.bool:
+            attn_mask = attn_mask.float()
+    if scale is None:  # scaled_dot_product_attention's default
+        scale = query.shape[-1] ** -0.5
     if enable_gqa:
         g = query.shape[1] // key.shape[1]
         key, value = key.repeat_interleave(g, dim=1), value.repeat_interleave(g, dim=1)
@@ -161,7 +195,12 @@ def torch_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
     e = torch.exp(s - m)
     z = e.sum(dim=-1, keepdim=True)
     p = e / torch.where(z > 0, z, torch.ones_like(z))
-    return p @ torch.where(allowed.any(dim=-2)[..., None], value, torch.zeros_like(value))
+    return (p @ torch.where(allowed.any(dim=-2)[..., None], value, torch.zeros_like(value))).to(dt)
+
+
+def sdpa_half_arithmetic(query, key, value, **kw):
+    """torch_sdpa computing its logits and softmax in the half dtype (a plain fp16 kernel)."""
+    return torch_sdpa(query, key, value, **kw, half_arithmetic=True)
 
 
 def flash_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -169,6 +208,11 @@ def flash_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_
     """A correct plain-torch kernel with flash_attn_func's signature, (B, L, H, D) tensors."""
     import torch
 
+    dt = q.dtype
+    if dt in (torch.float16, torch.bfloat16):  # float32 arithmetic, as FlashAttention's kernels
+        q, k, v = q.float(), k.float(), v.float()
+    if softmax_scale is None:  # flash_attn_func's default
+        softmax_scale = q.shape[-1] ** -0.5
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, L, D)
     g = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
@@ -194,7 +238,7 @@ def flash_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_
     e = torch.exp(s - m)
     z = e.sum(dim=-1, keepdim=True)
     p = e / torch.where(z > 0, z, torch.ones_like(z))
-    return (p @ v).transpose(1, 2)
+    return (p @ v).transpose(1, 2).to(dt)
 
 
 flash_func.attngrad_protocol = "flash"
@@ -416,6 +460,8 @@ def torch_sdpa_lse(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
     (out, lse): lse = log of the softmax's denominator, -inf for a row with nothing allowed."""
     import torch
 
+    if scale is None:
+        scale = query.shape[-1] ** -0.5
     if enable_gqa:
         g = query.shape[1] // key.shape[1]
         key, value = key.repeat_interleave(g, dim=1), value.repeat_interleave(g, dim=1)

@@ -47,7 +47,7 @@ def test_topk_inputs_have_empty_slots_duplicates_and_empty_rows():
 
 
 def test_varlen_inputs_have_zero_lengths_and_a_tail():
-    c = QUICK[5]
+    c = next(c for c in QUICK if c.family == "varlen")
     p = make_problem(c)
     assert p.cu_q.dtype == np.int32 and p.q.shape[0] == p.cu_q[-1] + 2 and p.k.shape[0] == p.cu_k[-1] + 2
     assert (0, 4) in c.seq_pairs and (3, 0) in c.seq_pairs
@@ -123,17 +123,19 @@ def test_a_correct_flash_varlen_kernel_passes_and_the_top_left_one_fails_in_varl
 def test_an_sdpa_target_returning_the_lse_passes_the_lse_family():
     r = conform(torch_sdpa_lse, protocol="sdpa", cases=QUICK)
     run = [x for x in r.results if x.verdict != "skipped"]
-    assert r.passed and {x.family for x in run} == {"lse"} and len(run) == 1, r.results
+    assert r.passed and {x.family for x in run} == {"lse"} and len(run) == 2, r.results
     assert all("lse" in x.errors for x in run)
+    empty = next(x for x in run if "fully_masked" in x.case_id)  # rows with no key: lse -inf
+    assert empty.verdict == "pass"
 
 
-def test_an_sdpa_target_declaring_lse_without_returning_it_is_refused():
+def test_an_sdpa_target_declaring_lse_without_returning_it_fails():
     def one(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         return torch_sdpa_lse(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)[0]
 
     one.attngrad_features = torch_sdpa_lse.attngrad_features
-    r = conform(one, cases=[c for c in QUICK if c.family == "lse"][:1])
-    assert r.results[0].verdict == "refused" and "(out, lse)" in r.results[0].reason
+    r = conform(one, cases=[c for c in QUICK if c.family == "lse"][:1])  # the wrong type: wrong
+    assert r.results[0].verdict == "fail" and "expected (out, lse)" in r.results[0].reason
 
 
 @pytest.mark.slow
@@ -156,5 +158,18 @@ def test_the_new_features_are_opt_in_but_all_includes_them():
     assert not default_features("explicit") & {"lse", "topk", "varlen"}
     assert "varlen" in default_features("flash_varlen")
     assert "lse" in check_features({"all"}, protocol="sdpa")
-    r = conform("torch.sdpa", cases=QUICK)
-    assert r.passed and r.counts["skipped"] == len(QUICK)
+    r = conform("torch.sdpa", cases=QUICK)  # nothing it declares: every case skipped, which proves nothing
+    assert r.counts["skipped"] == len(QUICK) and not r.passed
+    assert r.problems == [f"no case ran: all {len(QUICK)} cases were skipped"]
+
+    def lse_kernel(query, key, value, **kw):  # declares nothing: the sdpa protocol's defaults
+        return torch_sdpa_lse(query, key, value, **kw)
+
+    plus = conform(lse_kernel, cases=QUICK, features={"+lse"})  # "+" adds to what it declares
+    assert plus.passed and {x.family for x in plus.results if x.verdict == "pass"} == {"lse"}
+    assert "bfloat16" in plus.features and "+" not in "".join(plus.features)
+    lse_kernel.attngrad_features = ["+lse", "-bfloat16"]  # the same in the attribute: the defaults, +/-
+    declared = conform(lse_kernel, cases=QUICK)
+    assert declared.passed and "lse" in declared.features and "bfloat16" not in declared.features
+    bare = conform(lse_kernel, cases=QUICK, families=["lse"], features={"lse"})  # replaces: no dtype left
+    assert not bare.passed and "name no dtype" in bare.problems[0] and "+lse" in bare.problems[0]

@@ -8,8 +8,11 @@ arrays), so ``attngrad conform TARGET --repro CASE_ID`` needs nothing but the id
 
 from __future__ import annotations
 
+import math
 import zlib
 from dataclasses import dataclass, field, fields
+
+import numpy as np
 
 from ..core.variants import VARIANT_FEATURES, VARIANTS
 
@@ -19,6 +22,15 @@ CAUSALS = ("none", "top_left", "bottom_right")
 BIAS_SHAPES = ("none", "BHQK", "1HQK", "B11K", "QK")  # the bias's shape, broadcast to (B, H, Lq, Lk)
 MAX_LOGITS = 1 << 24  # B*H*Lq*Lk of one case: the dense reference keeps several such arrays
 PROBES = ("none", "nan_keys", "inf_values", "large_logits", "determinism")
+# How q, k, v (and dOut) reach the target (RELIABILITY 31): contiguous, views of one fused QKV
+# projection, stored in the other layout and transposed, K/V expanded over the kv heads (a zero
+# stride), or a negative stride (NumPy only: torch has none).  Built in ``layouts.py``.
+LAYOUTS = ("contiguous", "fused", "transposed", "expand", "flipped")
+# What the inputs look like: standard normal; "massive": a few channels of K and V 100-1000x the
+# rest, the same sign on every token, as trained LLMs' activations; "huge_logits": each query row's
+# logits shifted by +-1e4..1e5 (a channel of q against a constant channel of k), so that a finite
+# mask fill (-1e4, -5e4, -65504) beats the allowed keys of some rows (RELIABILITY 33).
+ACTS = ("gaussian", "massive", "huge_logits")
 # Hygiene probes: inputs outside what the maths is about (NaN/inf where no query looks, logits
 # of 1e4).  A target that does not survive one is "fragile" (failing only under --strict);
 # every other case is judged for correctness.  A new probe is added here and in PROBES.
@@ -77,6 +89,9 @@ class GridCase:
     seqs: str = ""  # varlen: "+"-joined LQ_LK pairs of the packed sequences, e.g. "511_1+0_4+3_513"
     dtype: str = "float64"
     probe: str = "none"
+    layout: str = "contiguous"  # one of LAYOUTS
+    scale: str = ""  # "": 1/sqrt(D) passed; "none": left out (the target's default); a number: that value
+    acts: str = "gaussian"  # one of ACTS
     seed: int = field(default=-1, compare=False)
 
     def __post_init__(self):
@@ -205,7 +220,36 @@ class GridCase:
             extras.append("returns the lse, loss uses it")
         if self.probe != "none":
             extras.append(f"probe {self.probe}")
+        if self.layout != "contiguous":
+            extras.append(f"layout {self.layout} ({LAYOUT_TEXT[self.layout]})")
+        if self.scale:
+            extras.append("scale left out (the target's default 1/sqrt(D))" if self.scale == "none"
+                          else f"scale {self.scale}")
+        if self.acts != "gaussian":
+            extras.append(ACTS_TEXT[self.acts])
         return text + ("; " + ", ".join(extras) if extras else "")
+
+
+LAYOUT_TEXT = {
+    "fused": "q, k, v views of one fused QKV projection",
+    "transposed": "q, k, v, dout stored in the other layout and transposed",
+    "expand": "K and V expanded over the kv heads, a zero stride",
+    "flipped": "q, k, v, dout with a negative stride",
+}
+ACTS_TEXT = {
+    "massive": "massive activations (channels of K and V 100-1000x the rest)",
+    "huge_logits": "each query row's logits shifted by +-1e4..1e5",
+}
+
+
+def scale_value(case: GridCase) -> float:
+    """The softmax scale of ``case`` (what the reference uses): 1/sqrt(D) unless a number is
+    given; 0.7/sqrt(D) for a learned scale (rounded to the dtype by the inputs)."""
+    if case.scale_grad:
+        return float(0.7 / math.sqrt(case.d))
+    if case.scale in ("", "none"):
+        return float(1.0 / math.sqrt(case.d))
+    return float(case.scale)
 
 
 def _fmt(value) -> str:
@@ -241,6 +285,8 @@ def parse_case_id(text: str) -> GridCase:
                 kwargs[key] = value
         except ValueError:
             raise ValueError(f"case id {text!r}: bad value in {item!r}") from None
+    if "hkv" not in kwargs and kwargs.get("h", 2) % 2:  # hkv's default 2 cannot serve h: one per head
+        kwargs["hkv"] = kwargs["h"]
     case = GridCase(**kwargs)
     check_case(case)
     return case
@@ -249,7 +295,7 @@ def parse_case_id(text: str) -> GridCase:
 def check_case(case: GridCase) -> None:
     """ValueError unless the case describes a possible problem."""
     for name, allowed in (("mask", MASKS), ("causal", CAUSALS), ("bias", BIAS_SHAPES),
-                          ("dtype", DTYPES), ("probe", PROBES)):
+                          ("dtype", DTYPES), ("probe", PROBES), ("layout", LAYOUTS), ("acts", ACTS)):
         if getattr(case, name) not in allowed:
             raise ValueError(f"case {name} must be one of {', '.join(allowed)}; got {getattr(case, name)!r}")
     if case.seqs:
@@ -266,7 +312,17 @@ def check_case(case: GridCase) -> None:
             f"at most {MAX_LOGITS} are allowed"
         )
     if case.h % case.hkv:
-        raise ValueError(f"case h={case.h} must be a multiple of hkv={case.hkv}")
+        raise ValueError(f"case h={case.h} must be a multiple of hkv={case.hkv}"
+                         + (" (hkv is 2 unless given)" if case.hkv == 2 else ""))
+    if case.scale not in ("", "none"):
+        try:
+            value = float(case.scale)
+        except ValueError:
+            value = float("nan")
+        if not np.isfinite(value):
+            raise ValueError(f"case scale must be none or a finite number; got {case.scale!r}")
+        if case.scale_grad:
+            raise ValueError("case scale takes no value with scale_grad (the learned scale is its own)")
     if case.window != "none":
         parse_window(case.window)
     if not 0 <= case.dropout < 1 or case.softcap < 0:

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from .cases import DTYPES, GridCase
 
-__all__ = ["DTYPES", "GRIDS", "build_grid", "frontier_cases", "variant_cases", "with_dtype"]
+__all__ = ["DTYPES", "GRIDS", "build_grid", "frontier_cases", "layout_cases", "variant_cases", "with_dtype"]
 
 
 def with_dtype(case: GridCase, dtype: str, family: str | None = None) -> GridCase:
@@ -24,8 +24,11 @@ def with_dtype(case: GridCase, dtype: str, family: str | None = None) -> GridCas
 GRIDS = ("quick", "full")
 PAIRS_FULL = ((1, 1), (1, 147), (3, 513), (113, 203), (1023, 1024), (1024, 1023))
 PAIRS_QUICK = ((1, 1), (1, 147), (3, 513), (113, 203), (203, 113))
-HEAD_DIMS = (32, 59, 64, 111, 128)
-LONG_QUICK = (2048,)  # half-precision Lq = Lk
+HEAD_DIMS = (32, 59, 64, 111, 128)  # the shapes family's; layout_cases adds 72, 80, 96, 104, 256
+# half precision, long sums (where summing in the half dtype shows): Lq = Lk in the full grid;
+# in the quick grid one short side and one long (dQ sums over 8192 keys, dK and dV over 8192
+# queries), at half the cost of one (2048, 2048) case and with twice the error of a float16 sum
+LONG_QUICK = ((256, 8192), (8192, 256))
 LONG_FULL = (2048, 4096)
 
 
@@ -71,6 +74,7 @@ def build_grid(name: str = "quick") -> list[GridCase]:
              causal="bottom_right", bias="B11K", learn="bias"))
     add(GridCase("combined", b=2, h=4, hkv=1, lq=tall[0], lk=tall[1], d=59, dv=59, mask="fully_masked",
              causal="top_left"))
+    cases += layout_cases(full)
     cases += variant_cases(full)
     cases += frontier_cases(full)
     # lower precisions: a cross-section of the above, each in its own family
@@ -82,9 +86,12 @@ def build_grid(name: str = "quick") -> list[GridCase]:
         for c in picked:
             add(with_dtype(c, dtype, family=dtype))
         if dtype != "float32":  # long sequences: accumulation in the half dtype shows here
-            for n in LONG_FULL if full else LONG_QUICK:
-                add(GridCase(dtype, b=1, h=2 if n <= 2048 else 1, hkv=2 if n <= 2048 else 1,
-                             lq=n, lk=n, d=64, dv=64, dtype=dtype))
+            if full:
+                for n in LONG_FULL:
+                    add(GridCase(dtype, b=1, h=2 if n <= 2048 else 1, hkv=2 if n <= 2048 else 1,
+                                 lq=n, lk=n, d=64, dv=64, dtype=dtype))
+            for lq, lk in LONG_QUICK:
+                add(GridCase(dtype, h=1, hkv=1, lq=lq, lk=lk, d=64, dv=64, dtype=dtype))
     # probes
     for probe in ("nan_keys", "inf_values"):
         for lq, lk in (mid, (1, 147)) if not full else (mid, (1, 147), tall):
@@ -97,7 +104,75 @@ def build_grid(name: str = "quick") -> list[GridCase]:
     for dtype in ("float64", "float32"):
         add(GridCase("determinism", b=2, h=4, hkv=2, lq=mid[0], lk=mid[1], d=64, dv=64,
                  mask="padding", probe="determinism", dtype=dtype))
+    # determinism for every protocol: no padding (flash), and packed sequences (flash_varlen)
+    for dtype in ("float64", "float32") if full else ("float64",):
+        add(GridCase("determinism", b=2, h=4, hkv=2, lq=mid[0], lk=mid[1], d=64, dv=64,
+                     causal="bottom_right", probe="determinism", dtype=dtype))
+    add(GridCase("determinism", h=4, hkv=2, seqs="37_53+0_5+20_20", causal="bottom_right", probe="determinism"))
     return cases
+
+
+HEAD_DIMS_LAYOUT = (72, 80, 96, 104, 256)  # dims whose padding to a kernel's tile goes wrong
+
+
+def layout_cases(full: bool) -> list[GridCase]:
+    """What hides bugs in layouts, shapes and real activations (issue 48, RELIABILITY 31-33).
+
+    ``layout``: q, k, v (and dOut) as views of a fused QKV projection, stored transposed,
+    K/V expanded over the kv heads (a zero stride), a negative stride (NumPy only);
+    ``heads_lengths``: H == Lq and Hkv == Lk, where a layout guessed from the shapes goes wrong;
+    ``head_dims``: 72, 80, 96, 104, 256 and D != Dv; ``scale``: a scale that is not 1/sqrt(D),
+    and the scale left out; ``masked_logits``: each row's logits shifted by +-1e4..1e5 beside
+    masked keys, where a finite mask fill is a wrong answer (correctness, not hygiene);
+    ``massive``: channels of K and V 100-1000x the rest (a constant K channel that the exact
+    dQ does not see, but a sum kept in low precision does), in every dtype.
+    """
+    rag = (37, 53)
+    out = [
+        GridCase("layout", b=2, h=4, hkv=2, lq=48, lk=48, causal="bottom_right", layout="fused"),
+        GridCase("layout", lq=rag[0], lk=rag[1], d=40, dv=24, layout="fused"),
+        GridCase("layout", b=2, lq=rag[0], lk=rag[1], causal="bottom_right", layout="transposed"),
+        GridCase("layout", b=2, h=4, hkv=2, lq=rag[0], lk=rag[1], mask="padding", layout="transposed"),
+        GridCase("layout", b=2, h=4, hkv=2, lq=rag[0], lk=rag[1], layout="expand"),
+        GridCase("layout", b=2, lq=rag[0], lk=rag[1], layout="flipped"),
+        GridCase("heads_lengths", b=2, h=6, hkv=2, lq=6, lk=rag[1]),  # H == Lq
+        GridCase("heads_lengths", h=6, hkv=3, lq=11, lk=3),  # Hkv == Lk
+        GridCase("heads_lengths", b=2, h=4, hkv=4, lq=4, lk=4, causal="top_left"),  # H == Lq == Hkv == Lk
+        *(GridCase("head_dims", lq=rag[0], lk=rag[1], d=d, dv=d) for d in HEAD_DIMS_LAYOUT),
+        GridCase("head_dims", h=4, hkv=2, lq=rag[1], lk=rag[0], d=72, dv=104, causal="bottom_right"),
+        GridCase("scale", h=4, hkv=2, lq=rag[0], lk=rag[1], d=64, dv=64, scale="0.37"),
+        GridCase("scale", lq=rag[0], lk=rag[1], d=48, dv=32, scale="none"),
+        GridCase("masked_logits", b=2, lq=rag[0], lk=rag[1], mask="padding", acts="huge_logits"),
+        GridCase("masked_logits", b=2, h=4, hkv=2, lq=rag[0], lk=rag[1], mask="random", acts="huge_logits"),
+        GridCase("masked_logits", lq=rag[1], lk=rag[0], causal="bottom_right", acts="huge_logits"),
+        GridCase("massive", b=2, h=4, hkv=2, lq=113, lk=203, d=64, dv=64, causal="bottom_right", acts="massive"),
+        *(GridCase("massive", h=4, hkv=2, lq=384, lk=512, d=64, dv=64, causal="bottom_right", acts="massive",
+                   dtype=dt) for dt in ("float16", "bfloat16")),
+        GridCase("layout", h=4, hkv=2, lq=64, lk=64, layout="fused", dtype="float16"),
+    ]
+    if full:
+        out += [
+            GridCase("layout", b=2, h=4, hkv=1, lq=113, lk=203, d=64, dv=64, causal="bottom_right",
+                     layout="transposed"),
+            GridCase("layout", b=2, h=4, hkv=2, lq=113, lk=113, d=59, dv=59, mask="fully_masked",
+                     layout="fused"),
+            GridCase("layout", b=2, h=2, lq=113, lk=203, bias="B11K", learn="bias", layout="expand"),
+            GridCase("layout", h=4, hkv=2, lq=64, lk=64, layout="transposed", dtype="bfloat16"),
+            GridCase("heads_lengths", b=2, h=8, hkv=2, lq=8, lk=2, causal="bottom_right"),
+            *(GridCase("head_dims", b=2, h=4, hkv=2, lq=113, lk=203, d=d, dv=d, causal="bottom_right")
+              for d in HEAD_DIMS_LAYOUT),
+            GridCase("head_dims", lq=113, lk=203, d=256, dv=80),
+            GridCase("scale", lq=rag[0], lk=rag[1], scale="-0.3", causal="bottom_right"),
+            GridCase("scale", h=4, hkv=1, lq=64, lk=64, d=80, dv=80, scale="none", causal="top_left"),
+            GridCase("masked_logits", b=2, h=4, hkv=2, lq=113, lk=203, mask="fully_masked", acts="huge_logits"),
+            GridCase("masked_logits", lq=64, lk=64, window="8_4", acts="huge_logits"),
+            GridCase("massive", b=2, lq=113, lk=203, d=64, dv=64, mask="padding", acts="massive"),
+            *(GridCase("massive", lq=2048, lk=2048, d=64, dv=64, acts="massive", dtype=dt)
+              for dt in ("float16", "bfloat16")),
+            *(GridCase(dt, h=1, hkv=1, lq=lq, lk=lk, d=64, dv=64, dtype=dt)
+              for dt in ("float16", "bfloat16") for lq, lk in ((128, 16384), (16384, 128))),
+        ]
+    return out
 
 
 def variant_cases(full: bool) -> list[GridCase]:
@@ -147,6 +222,7 @@ def frontier_cases(full: bool) -> list[GridCase]:
         GridCase("lse", lq=37, lk=53, lse=True),
         GridCase("lse", h=4, hkv=2, lq=37, lk=53, lse=True, sinks=True, mask="fully_masked"),
         GridCase("lse", lq=29, lk=41, lse=True, topk=5, causal="bottom_right"),
+        GridCase("lse", b=2, lq=29, lk=41, lse=True, mask="fully_masked"),  # empty rows: lse -inf
         GridCase("varlen", seqs="5_7+0_4+3_0+6_6+1_11"),
         GridCase("varlen", h=4, hkv=2, seqs="7_5+0_0+3_513+9_9", causal="bottom_right"),
         GridCase("varlen", h=4, hkv=1, seqs="511_1+0_3+4_9", window="3_1", softcap=4.0),

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .cases import GridCase, check_case, parse_window
+from .cases import GridCase, check_case, parse_window, scale_value
 
 
 @dataclass(frozen=True)
@@ -66,9 +66,10 @@ def make_inputs(case: GridCase) -> CaseInputs:
     k = round_to(rng.standard_normal((c.b, c.hkv, c.lk, c.d)) * spread, c.dtype)  # (B, Hkv, Lk, D)
     v = round_to(rng.standard_normal((c.b, c.hkv, c.lk, c.dv)), c.dtype)  # (B, Hkv, Lk, Dv)
     dout = round_to(rng.standard_normal((c.b, c.h, c.lq, c.dv)), c.dtype)  # (B, H, Lq, Dv)
-    scale = 1.0 / np.sqrt(c.d)
+    q, k, v = activations(c, q, k, v, head_axis=1)
+    scale = scale_value(c)
     if c.scale_grad:
-        scale = float(round_to(np.array(0.7 / np.sqrt(c.d)), c.dtype))
+        scale = float(round_to(np.array(scale), c.dtype))
     options: dict = {"scale": float(scale)}
     allowed = _masks(rng, c, options)  # (B, H, Lq, Lk)
     allowed &= _variants(rng, c, options)
@@ -120,9 +121,10 @@ def _varlen_inputs(c: GridCase) -> CaseInputs:
     k = round_to(rng.standard_normal((c.lk, c.hkv, c.d)), c.dtype)  # (total_k, Hkv, D)
     v = round_to(rng.standard_normal((c.lk, c.hkv, c.dv)), c.dtype)  # (total_k, Hkv, Dv)
     dout = round_to(rng.standard_normal((c.lq, c.h, c.dv)), c.dtype)  # (total_q, H, Dv)
+    q, k, v = activations(c, q, k, v, head_axis=1)
     cu_q = np.concatenate([[0], np.cumsum([a for a, _ in pairs])]).astype(np.int32)  # (B + 1,)
     cu_k = np.concatenate([[0], np.cumsum([b for _, b in pairs])]).astype(np.int32)
-    options: dict = {"scale": float(1.0 / np.sqrt(c.d))}
+    options: dict = {"scale": scale_value(c)}
     if c.causal != "none":
         options["causal"] = c.causal
     if c.softcap > 0:
@@ -148,6 +150,41 @@ def _varlen_inputs(c: GridCase) -> CaseInputs:
                 block &= j <= i + right
         allowed[cu_q[n]:cu_q[n + 1], cu_k[n]:cu_k[n + 1]] = block
     return CaseInputs(c, q, k, v, dout, options, allowed, k, v, None, None, cu_q, cu_k)
+
+
+MASSIVE = (100.0, 1000.0)  # the massive channels' magnitudes, times (1 + 1% noise) on every token
+ROW_SHIFT = (1e4, 1e5)  # |logit shift| of each query row in the huge_logits inputs, log-uniform
+
+
+def activations(c: GridCase, q, k, v, *, head_axis: int) -> tuple:
+    """q, k, v as the case's ``acts`` and ``layout`` want them, rounded to its dtype.
+
+    "massive": two channels of K and one of V set to +-M (1 + 0.01 n) on every token, M in
+    100..1000 (the exact dQ does not see a constant K channel, rows of dS summing to 0, but a
+    sum kept in low precision does); "huge_logits": channel 0 of K set to 1 and channel 0 of q
+    to s_i / scale, s_i = +-1e4..1e5 per query row.  Layout "expand": K and V the same in every
+    kv head (so they can be passed as a zero-stride view).  Drawn from a generator of their own,
+    after the main draws, so every other input stays as the seed gives it.
+    """
+    if c.acts == "gaussian" and c.layout != "expand":
+        return q, k, v
+    rng = np.random.default_rng([c.seed, 48])
+    q, k, v = q.copy(), k.copy(), v.copy()
+    if c.acts == "massive":
+        for x, count in ((k, min(2, c.d)), (v, 1)):
+            for ch in rng.choice(x.shape[-1], count, replace=False):
+                size = rng.uniform(*MASSIVE) * rng.choice((-1.0, 1.0))
+                x[..., ch] = size * (1 + 0.01 * rng.standard_normal(x.shape[:-1]))
+    elif c.acts == "huge_logits":
+        rows = q.shape[:-1]  # (B, H, Lq) or (total_q, H)
+        shift = np.exp(rng.uniform(*np.log(ROW_SHIFT), rows)) * rng.choice((-1.0, 1.0), rows)
+        k[..., 0] = 1.0
+        q[..., 0] = shift / scale_value(c)
+    if c.layout == "expand":  # every kv head a copy of the first
+        first = np.take(k, [0], axis=head_axis), np.take(v, [0], axis=head_axis)
+        k[...] = first[0]
+        v[...] = first[1]
+    return round_to(q, c.dtype), round_to(k, c.dtype), round_to(v, c.dtype)
 
 
 def _positional(c: GridCase) -> np.ndarray:

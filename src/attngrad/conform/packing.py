@@ -19,8 +19,10 @@ import numpy as np
 
 from ..core.varlen import sdpa_varlen_backward, sdpa_varlen_forward
 from .inputs import CaseInputs
+from .layouts import arrays_of, torch_views, views
 from .reference import poisoned
-from .result import Result
+from .result import Result, expect_tensor
+from .torch_targets import _const, _leaf, _tdtype, _torch, backward, flash_kwargs
 
 
 class Packed(NamedTuple):
@@ -70,33 +72,21 @@ def unpack(problem: CaseInputs, out: np.ndarray, grads: dict) -> Result:
     return Result(out, grads)
 
 
-def flash_kwargs(problem: CaseInputs) -> dict:
-    """The keyword arguments after max_seqlen_k (alibi_slopes as float64 NumPy or None)."""
-    c, o = problem.case, problem.options
-    left, right = o.get("window", (None, None))
-    return {
-        "dropout_p": 0.0,
-        "softmax_scale": o["scale"],
-        "causal": c.causal != "none",
-        "window_size": (-1 if left is None else left, -1 if right is None else right),
-        "softcap": float(c.softcap),
-        "alibi_slopes": o.get("alibi_slopes"),
-        "deterministic": True,
-        "return_attn_probs": False,
-    }
-
-
 def flash_varlen_runner(fn, device="cpu") -> Callable[[CaseInputs], Result]:
-    """``flash_attn_varlen_func``'s signature on packed torch tensors, autograd gradients."""
+    """``flash_attn_varlen_func``'s signature on packed torch tensors (laid out as the case
+    says), autograd gradients; the output must be a (total_q, H, Dv) tensor of the inputs' dtype."""
 
     def run(problem: CaseInputs) -> Result:
-        from .torch_targets import _const, _leaf, _tdtype, _torch
-
         torch = _torch()
         c = problem.case
         dt = _tdtype(torch, c.dtype)
         p = pack(problem)
-        leaves = {n: _leaf(torch, a, dt, True, device) for n, a in (("q", p.q), ("k", p.k), ("v", p.v))}
+        arrays = {"q": p.q, "k": p.k, "v": p.v, "dout": p.dout}  # (total, H, X)
+        if c.layout == "contiguous":
+            t = {n: _leaf(torch, a, dt, n != "dout", device) for n, a in arrays.items()}
+        else:
+            t = torch_views(torch, views(arrays, c.layout, "packed"), dt, device)
+        leaves = {n: t[n] for n in ("q", "k", "v")}
         kw = flash_kwargs(problem)
         if kw["alibi_slopes"] is not None:  # float32 as FlashAttention wants, float64 in float64 cases
             kw["alibi_slopes"] = _const(torch, kw["alibi_slopes"],
@@ -106,9 +96,10 @@ def flash_varlen_runner(fn, device="cpu") -> Callable[[CaseInputs], Result]:
         out = fn(leaves["q"], leaves["k"], leaves["v"], cu_q, cu_k, p.max_q, p.max_k, **kw)
         if isinstance(out, tuple):
             out = out[0]
-        (out * _const(torch, p.dout, dt, device)).sum().backward()
-        grads = {n: (np.zeros(tuple(t.shape)) if t.grad is None else t.grad.detach().cpu().double().numpy())
-                 for n, t in leaves.items()}
+        expect_tensor(torch, out, (p.q.shape[0], c.h, c.dv), dt)
+        backward(torch, out, t["dout"].detach())
+        grads = {n: (np.zeros(tuple(x.shape)) if x.grad is None else x.grad.detach().cpu().double().numpy())
+                 for n, x in leaves.items()}
         return unpack(problem, out.detach().cpu().double().numpy(), grads)
 
     return run
@@ -116,17 +107,18 @@ def flash_varlen_runner(fn, device="cpu") -> Callable[[CaseInputs], Result]:
 
 def attngrad_varlen(problem: CaseInputs, impl: str = "auto") -> Result:
     """sdpa_varlen_forward / sdpa_varlen_backward with the flash_varlen protocol's arguments,
-    in the case's dtype; the backward writes into NaN-filled buffers."""
+    in the case's dtype and layout; the backward writes into NaN-filled buffers."""
     dt = np.dtype(problem.dtype)
     p = pack(problem)
     kw = flash_kwargs(problem)
     left, right = kw["window_size"]
     window = None if (left, right) == (-1, -1) else (None if left < 0 else left, None if right < 0 else right)
     slopes = None if kw["alibi_slopes"] is None else np.asarray(kw["alibi_slopes"], dt)
-    q, k, v = p.q.astype(dt), p.k.astype(dt), p.v.astype(dt)
-    out, cache = sdpa_varlen_forward(q, k, v, p.cu_q, p.cu_k, causal=bool(kw["causal"]),
-                                     scale=kw["softmax_scale"], softcap=kw["softcap"] or None,
+    t = arrays_of(views({"q": p.q.astype(dt), "k": p.k.astype(dt), "v": p.v.astype(dt),
+                         "dout": p.dout.astype(dt)}, problem.case.layout, "packed"))
+    out, cache = sdpa_varlen_forward(t["q"], t["k"], t["v"], p.cu_q, p.cu_k, causal=bool(kw["causal"]),
+                                     scale=kw.get("softmax_scale"), softcap=kw["softcap"] or None,
                                      alibi_slopes=slopes, window=window, impl=impl)
-    grads = sdpa_varlen_backward(p.dout.astype(dt), cache,
-                                 out=poisoned({"q": q.shape, "k": k.shape, "v": v.shape}, dt))
+    grads = sdpa_varlen_backward(t["dout"], cache,
+                                 out=poisoned({n: t[n].shape for n in ("q", "k", "v")}, dt))
     return unpack(problem, out, grads)

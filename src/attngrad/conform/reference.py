@@ -16,14 +16,29 @@ from ..core.lse import attention_lse
 from ..core.sdpa import sdpa_backward, sdpa_forward
 from ..core.varlen import sdpa_varlen_backward, sdpa_varlen_forward
 from .inputs import CaseInputs
-from .result import Result
+from .layouts import arrays_of, views
+from .result import Result, WrongAnswer, expect_array
 
 # options carried as arrays in the case's dtype (the others are structure or numbers)
 ARRAY_OPTIONS = ("bias", "sinks", "alibi_slopes")
 
 
 def _float64(out, grads: dict) -> Result:
-    return Result(np.asarray(out, np.float64), {n: np.asarray(g, np.float64) for n, g in grads.items()})
+    def conv(x, label):
+        try:
+            return np.asarray(x, np.float64)
+        except (TypeError, ValueError):
+            raise WrongAnswer(f"{label} is a {type(x).__name__}, expected an array of numbers") from None
+
+    return Result(conv(out, "output"), {n: conv(g, f"gradient {n!r}") for n, g in grads.items()})
+
+
+def laid_out(problem: CaseInputs, dt) -> dict:
+    """q, k, v, dout in dtype ``dt`` as the case's layout passes them (NumPy views)."""
+    arrays = {n: getattr(problem, n).astype(dt) for n in ("q", "k", "v", "dout")}
+    if problem.case.layout == "contiguous":
+        return arrays
+    return arrays_of(views(arrays, problem.case.layout, "packed" if problem.case.varlen else "bhld"))
 
 
 def _typed_options(problem: CaseInputs, dt) -> dict:
@@ -72,12 +87,12 @@ def attngrad_runner(impl: str) -> Callable[[CaseInputs], Result]:
 
     def run(problem: CaseInputs) -> Result:
         dt = np.dtype(problem.dtype)
+        t = laid_out(problem, dt)
         if problem.case.frontier:  # top-k, lse, varlen: the backward writes into NaN buffers
-            return run_core(problem, problem.q.astype(dt), problem.k.astype(dt), problem.v.astype(dt),
-                            problem.dout.astype(dt), _typed_options(problem, dt), impl=impl, poison=True)
-        out, cache = sdpa_forward(problem.q.astype(dt), problem.k.astype(dt), problem.v.astype(dt),
-                                  impl=impl, **_typed_options(problem, dt))
-        return _float64(out, sdpa_backward(problem.dout.astype(dt), cache))
+            return run_core(problem, t["q"], t["k"], t["v"], t["dout"], _typed_options(problem, dt),
+                            impl=impl, poison=True)
+        out, cache = sdpa_forward(t["q"], t["k"], t["v"], impl=impl, **_typed_options(problem, dt))
+        return _float64(out, sdpa_backward(t["dout"], cache))
 
     return run
 
@@ -95,7 +110,8 @@ def explicit_runner(obj) -> Callable[[CaseInputs], Result]:
     def run(problem: CaseInputs) -> Result:
         c = problem.case
         dt = np.dtype(problem.dtype)
-        q, k, v = problem.q.astype(dt), problem.k.astype(dt), problem.v.astype(dt)
+        t = laid_out(problem, dt)
+        q, k, v = t["q"], t["k"], t["v"]
         options = _typed_options(problem, dt)
         if c.lse:  # asked for the lse too (attngrad.torch's keyword)
             options["return_lse"] = True
@@ -111,18 +127,21 @@ def explicit_runner(obj) -> Callable[[CaseInputs], Result]:
                     and len(answer[0]) == 2:
                 (out, lse), ctx = answer
             else:
-                raise TypeError("a target declaring lse must return ((out, lse), ctx) or (out, lse, ctx) "
-                                "from forward")
+                raise WrongAnswer("forward's answer is not ((out, lse), ctx) or (out, lse, ctx) "
+                                  "(the target declares lse)")
         else:
+            if not isinstance(answer, tuple | list) or len(answer) != 2:
+                raise WrongAnswer(f"forward returned a {type(answer).__name__}, expected (out, ctx)")
             out, ctx = answer
+        expect_array(out, (q.shape[0], c.h, c.dv) if c.varlen else (c.b, c.h, c.lq, c.dv))
         kwargs = {}
         if c.frontier and _takes_out(obj.backward):  # NaN buffers: unwritten rows show
             kwargs["out"] = poisoned({"q": q.shape, "k": k.shape, "v": v.shape}, dt)
         if c.lse:
             kwargs["dlse"] = problem.dlse.astype(dt)
-        grads = obj.backward(problem.dout.astype(dt), ctx, **kwargs)
+        grads = obj.backward(t["dout"], ctx, **kwargs)
         if not isinstance(grads, dict):
-            raise TypeError(f"backward must return a dict of gradients; got {type(grads).__name__}")
+            raise WrongAnswer(f"backward returned a {type(grads).__name__}, expected a dict of gradients")
         if c.lse:
             grads = {**grads, "lse": lse}
         return _float64(out, grads)

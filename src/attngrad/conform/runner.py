@@ -4,15 +4,25 @@ from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from .baselines import baselines, plain_baseline  # noqa: F401 (plain_baseline: a public name here)
 from .cases import DTYPES, GridCase, parse_case_id
 from .grid import GRIDS, build_grid
 from .inputs import make_inputs
-from .probes import clean, determinism
+from .probes import determinism
 from .reference import reference
-from .targets import grad_names, protocol_lacks, reference_lacks, resolve_target
-from .torch_targets import torch_naive
+from .result import WrongAnswer
+from .targets import (
+    BUILTINS,
+    CANNOT,
+    CUDA_BUILTINS,
+    OPT_IN,
+    grad_names,
+    protocol_lacks,
+    reference_lacks,
+    resolve_target,
+)
 from .verdict import FAIL, FRAGILE, NONDET, PASS, REFUSED, SKIP, VERDICTS, CaseResult, judge
 
 DEFAULT_RTOL = 1e-10
@@ -36,6 +46,8 @@ class ConformReport:
     excluded: tuple = ()  # families dropped with exclude=
     device: str = "cpu"
     repeat: int = DEFAULT_REPEAT
+    requested: tuple = ()  # the families asked for (families=): each must run a case
+    repro: str = ""  # the options a reproducer needs: --protocol, --features, the tolerances
 
     @property
     def counts(self) -> dict:
@@ -45,11 +57,26 @@ class ConformReport:
         return out
 
     @property
+    def problems(self) -> list:
+        """Why the run proves nothing although no case failed: no case ran, or a family asked
+        for ran none (each a line; the guard rails that fail the exit status)."""
+        ran = [r for r in self.results if r.verdict != SKIP]
+        out = []
+        if not ran:
+            out.append(f"no case ran: all {len(self.results)} cases were skipped" + _why_none(self))
+        for family in self.requested:
+            mine = [r for r in self.results if r.family == family]
+            if ran and mine and all(r.verdict == SKIP for r in mine):
+                reasons = "; ".join(sorted({r.reason for r in mine}))
+                out.append(f"family {family} ran no case ({len(mine)} skipped: {reasons})")
+        return out
+
+    @property
     def passed(self) -> bool:
-        """True when no case failed, was refused or was non-deterministic (nor, under
-        ``strict``, was fragile)."""
+        """True when at least one case ran, every family asked for ran one, and no case failed,
+        was refused or was non-deterministic (nor, under ``strict``, was fragile)."""
         ok = (PASS, SKIP) if self.strict else (PASS, SKIP, FRAGILE)
-        return all(r.verdict in ok for r in self.results)
+        return all(r.verdict in ok for r in self.results) and not self.problems
 
     def families_with(self, verdict: str) -> list:
         """The families (in grid order) with at least one case of ``verdict``."""
@@ -71,10 +98,46 @@ class ConformReport:
             "fragile_families": self.families_with(FRAGILE),
             "skipped_families": self.families_with(SKIP),
             "passed": self.passed,
+            "problems": self.problems,
+            "repro_options": self.repro,
             "counts": self.counts,
             "seconds": round(self.seconds, 1),
             "cases": [r.to_json() for r in self.results],
         }
+
+
+def _why_none(report) -> str:
+    """A clause for a run where nothing ran: a feature list that names no dtype says so."""
+    if not report.results:
+        return ""
+    if not set(report.features) & set(DTYPES):
+        return (f" (the features {', '.join(report.features) or '(none)'} name no dtype: features replace "
+                "the protocol's defaults; a leading + adds to them, e.g. --features +lse)")
+    return ""
+
+
+def repro_options(target: str, builtin: bool, protocol: str, features, *, rtol: float, factor: float,
+                  floor_ulps: float | None, repeat: int, device: str) -> str:
+    """The options a reproducer line must carry to judge a case as this run did."""
+    import shlex
+
+    parts = []
+    if not builtin and protocol:
+        parts.append(f"--protocol {protocol}")
+    if features is not None:
+        text = features if isinstance(features, str) else ",".join(sorted(str(f) for f in features))
+        parts.append(f"--features={shlex.quote(text)}" if text.startswith("-") else f"--features {shlex.quote(text)}")
+    if rtol != DEFAULT_RTOL:
+        parts.append(f"--rtol {rtol:g}")
+    if factor != DEFAULT_FACTOR:
+        parts.append(f"--factor {factor:g}")
+    if floor_ulps is not None:
+        parts.append(f"--floor-ulps {floor_ulps:g}")
+    if repeat != DEFAULT_REPEAT:
+        parts.append(f"--repeat {repeat}")
+    if str(device) != "cpu":
+        parts.append(f"--device {shlex.quote(str(device))}")
+    return " ".join(parts)
 
 
 def _check_number(name: str, value, positive: bool = True) -> float:
@@ -122,6 +185,9 @@ def drop(cases: list, exclude) -> tuple[list, tuple]:
 
 
 def select(cases: list, *, dtypes=None, families=None) -> list:
+    """``cases`` in ``dtypes`` and ``families`` (a name or a collection of names; None: all)."""
+    dtypes = (dtypes,) if isinstance(dtypes, str) else dtypes
+    families = (families,) if isinstance(families, str) else families
     if dtypes is not None:
         bad = sorted(set(dtypes) - set(DTYPES))
         if bad:
@@ -137,10 +203,19 @@ def select(cases: list, *, dtypes=None, families=None) -> list:
 
 
 def skip_reason(target, case: GridCase) -> str | None:
-    """Why ``case`` is not run for ``target`` (None: it is run)."""
+    """Why ``case`` is not run for ``target`` (None: it is run): what its protocol cannot
+    express (with the protocol's reason), what it does not declare, what the reference lacks,
+    or a per-case limit of the protocol."""
     missing = sorted(case.features() - target.features)
+    cannot = {n: CANNOT[target.protocol][n] for n in missing if n in CANNOT.get(target.protocol, {})}
+    if cannot:
+        first = next(iter(cannot))
+        more = f" (nor {', '.join(list(cannot)[1:])})" if len(cannot) > 1 else ""
+        return f"the {target.protocol} protocol cannot express {first}{more}: {cannot[first]}"
     if missing:
-        return f"target does not declare {', '.join(missing)}"
+        opt = [n for n in missing if n in OPT_IN]
+        how = f" (opt-in: --features +{',+'.join(opt)})" if opt and len(opt) == len(missing) else ""
+        return f"target does not declare {', '.join(missing)}{how}"
     lacking = reference_lacks(case)
     if lacking:
         return f"reference lacks {lacking}"
@@ -164,16 +239,9 @@ def run_case(target, case: GridCase, *, rtol: float, factor: float, floor_ulps: 
     return result
 
 
-def plain_baseline(problem):
-    """p of (CF1): plain torch ops on the CPU as PyTorch's math backend computes (float32
-    arithmetic for half inputs); None for float64 cases."""
-    if problem.case.dtype == "float64":
-        return None
-    return torch_naive(clean(problem))
-
-
-def _run_case(target, case: GridCase, *, rtol: float, factor: float, floor_ulps: float,
-              repeat: int, diagnose: bool) -> CaseResult:
+def _judged(target, case: GridCase, *, rtol: float, factor: float, floor_ulps: float | None):
+    """Run ``case`` on ``target`` and judge it: (problem, ref, got, verdict, reason, errors),
+    or a CaseResult when it cannot be judged (skipped, refused, an answer of the wrong type)."""
     problem = make_inputs(case)
     plain = None
     if case.dtype != "float64":
@@ -181,27 +249,69 @@ def _run_case(target, case: GridCase, *, rtol: float, factor: float, floor_ulps:
             import torch  # noqa: F401
         except ImportError:  # pragma: no cover - depends on the environment
             return CaseResult(case.id, case.family, SKIP, "the 2x rule needs torch for its plain baseline")
-        plain = plain_baseline(problem)
+        plain = baselines(problem)
     try:
         ref = reference(problem)
     except Exception as exc:  # a variant the reference has only in part
         return CaseResult(case.id, case.family, SKIP, f"reference failed: {type(exc).__name__}: {exc}"[:300])
     try:
         got = target.run(problem)
+    except WrongAnswer as exc:  # an answer of the wrong type or shape: wrong, whatever it holds
+        return CaseResult(case.id, case.family, FAIL, str(exc)[:300])
     except Exception as exc:  # the target refused the case: report what it said
         text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         return CaseResult(case.id, case.family, REFUSED, f"{type(exc).__name__}: {text}"[:300])
-    names = grad_names(case)
-    verdict, reason, errors = judge(names, case.dtype, ref, got, plain,
+    verdict, reason, errors = judge(grad_names(case), case.dtype, ref, got, plain,
                                     rtol=rtol, factor=factor, floor_ulps=floor_ulps)
+    return problem, ref, got, verdict, reason, errors
+
+
+def _ratio(target, case: GridCase, **judge_kw) -> float | None:
+    """The largest error / allowed of ``case`` on ``target`` (None: not judged by error)."""
+    try:
+        out = _judged(target, case, **judge_kw)
+    except Exception:  # a rerun for a hint never costs the verdict
+        return None
+    if isinstance(out, CaseResult) or not out[5]:
+        return None
+    return max(e.err / e.allowed if e.allowed > 0 else float("inf") for e in out[5].values())
+
+
+def rerun_hints(target, case: GridCase, errors: dict, **judge_kw) -> list:
+    """Hints from running the target again: the same case with contiguous inputs (a layout
+    case), and at a quarter and a sixteenth of its length (a lower precision)."""
+    from .diagnose import growth_hint, layout_hint
+
+    found = []
+    if case.layout != "contiguous":
+        hint = layout_hint(_ratio(target, replace(case, layout="contiguous"), **judge_kw), case.layout)
+        found += [hint] if hint else []
+    if case.dtype != "float64" and not case.frontier and max(case.lq, case.lk) >= 256 and errors:
+        own = max(e.err / e.allowed for e in errors.values() if e.allowed > 0)
+        points = []
+        for f in (16, 4):
+            lq, lk = (n if n < 64 else max(16, n // f) for n in (case.lq, case.lk))
+            points.append(((lq, lk), _ratio(target, replace(case, lq=lq, lk=lk, seed=-1), **judge_kw)))
+        hint = growth_hint([*points, ((case.lq, case.lk), own)])
+        found += [hint] if hint else []
+    return found
+
+
+def _run_case(target, case: GridCase, *, rtol: float, factor: float, floor_ulps: float,
+              repeat: int, diagnose: bool) -> CaseResult:
+    judged = _judged(target, case, rtol=rtol, factor=factor, floor_ulps=floor_ulps)
+    if isinstance(judged, CaseResult):
+        return judged
+    problem, ref, got, verdict, reason, errors = judged
     hints: list = []
     if verdict == FAIL and diagnose and not case.hygiene:
         from .diagnose import hints as find_hints
 
         try:
-            hints = find_hints(problem, ref, got, errors, names, rtol=rtol)
+            hints = find_hints(problem, ref, got, errors, grad_names(case), rtol=rtol)
+            hints += rerun_hints(target, case, errors, rtol=rtol, factor=factor, floor_ulps=floor_ulps)
         except Exception as exc:  # a hint is a help, never a reason to lose the verdict
-            hints = [f"(no hint: {type(exc).__name__}: {exc})"]
+            hints = [*hints, f"(no hint: {type(exc).__name__}: {exc})"]
     if case.probe == "determinism" and verdict in (PASS, FAIL):
         diff = None
         for _ in range(max(1, repeat - 1)):
@@ -263,9 +373,15 @@ def conform(
     todo = as_cases(cases) if cases is not None else build_grid(grid)
     todo = select(todo, dtypes=dtypes, families=families)
     todo, excluded = drop(todo, exclude)
+    builtin = isinstance(target, str) and target in BUILTINS + CUDA_BUILTINS
+    requested = () if families is None else tuple(dict.fromkeys(
+        [families] if isinstance(families, str) else families))
     report = ConformReport(t.name, t.protocol, tuple(sorted(t.features)), grid if cases is None else "custom",
                            rtol, factor, note=t.note, floor_ulps=floor_ulps, strict=bool(strict),
-                           excluded=excluded, device=str(device), repeat=repeat)
+                           excluded=excluded, device=str(device), repeat=repeat,
+                           requested=tuple(f for f in requested if f not in excluded),
+                           repro=repro_options(t.name, builtin, t.protocol, features, rtol=rtol, factor=factor,
+                                               floor_ulps=floor_ulps, repeat=repeat, device=device))
     start = time.perf_counter()
     for n, case in enumerate(todo):
         result = run_case(t, case, rtol=rtol, factor=factor, floor_ulps=floor_ulps, repeat=repeat)

@@ -20,10 +20,11 @@ from ..core.sdpa import sdpa_forward
 from ..core.variants import VARIANT_FEATURES, VARIANT_OPTIONS, variant_of_feature
 from .cases import FEATURES
 from .jax_target import jax_dpa
-from .packing import attngrad_varlen, flash_varlen_runner
-from .reference import attngrad_runner, explicit_runner
+from .packing import attngrad_varlen
+from .protocols import BASE, MASKING, OPT_IN, REGISTRY, protocol
+from .reference import attngrad_runner
 from .result import Result, Target
-from .torch_targets import _torch, flash_runner, flex_runner, sdpa_runner, torch_naive
+from .torch_targets import _torch, flex_runner, sdpa_runner, torch_naive
 
 __all__ = [
     "BUILTINS",
@@ -37,86 +38,26 @@ __all__ = [
     "check_features",
     "default_features",
     "grad_names",
+    "parse_features",
     "protocol_lacks",
     "reference_lacks",
     "reference_signature",
     "resolve_target",
 ]
 
-PROTOCOLS = ("sdpa", "flash", "flash_varlen", "explicit")
-BASE = {"gqa", "dv", "float64", "float32", "float16", "bfloat16"}
-MASKING = {"mask", "padding", "fully_masked", "causal", "causal_top_left", "causal_bottom_right"}
-# What each protocol can express: the default for a target that declares nothing.
-PROTOCOL_FEATURES = {
-    # boolean attn_mask: masks, padding, either causal alignment, windows, segments; a float
-    # attn_mask: a bias (with its gradient) and ALiBi (as a bias, without the slopes' gradient)
-    # a bias (with its gradient) and ALiBi (as a bias, without the slopes' gradient); lse: the
-    # target returns (out, lse)
-    "sdpa": BASE | MASKING | {"bias", "bias_grad", "alibi", "window", "segments", "lse"},
-    # flash_attn_func: bottom-right causal (fully masked rows when Lq > Lk), windows, soft-cap, ALiBi
-    "flash": BASE | {"causal", "causal_bottom_right", "fully_masked", "window", "softcap", "alibi"},
-    # flash_attn_varlen_func: the same per packed sequence, and varlen batches
-    "flash_varlen": BASE | {"causal", "causal_bottom_right", "fully_masked", "window", "softcap", "alibi",
-                            "varlen"},
-    # attngrad.sdpa_forward's keywords on NumPy arrays: everything NumPy has
-    "explicit": set(FEATURES) - {"bfloat16"},
-}
-# Features a target declares to be checked on: a kernel's return value or call changes with
-# them (the lse returned, index lists, packed sequences), so a target declaring nothing gets
-# its protocol's features without these (flash_varlen keeps varlen, what it is for); "all"
-# includes them.
-OPT_IN = frozenset({"lse", "topk", "varlen"})
+# Read from the registry (protocols.REGISTRY): a protocol registered there is in all of these.
+PROTOCOLS = tuple(REGISTRY)
+PROTOCOL_FEATURES = {name: set(p.features) for name, p in REGISTRY.items()}
+CANNOT = {name: dict(p.cannot) for name, p in REGISTRY.items()}
 
 
-def default_features(protocol: str) -> frozenset:
-    """What a target of ``protocol`` that declares nothing is checked on."""
-    keep = {"varlen"} if protocol == "flash_varlen" else set()
-    return frozenset(PROTOCOL_FEATURES[protocol] - (OPT_IN - keep))
+def default_features(protocol_name: str) -> frozenset:
+    """What a target of ``protocol_name`` that declares nothing is checked on: everything the
+    protocol can express but the opt-in features it does not keep."""
+    p = protocol(protocol_name)
+    return frozenset(p.features - (OPT_IN - p.keep))
 
 
-# What a protocol cannot express, and why: a target declaring one of these is refused up front.
-CANNOT = {
-    "sdpa": {
-        "softcap": "scaled_dot_product_attention has no soft-cap",
-        "sinks": "scaled_dot_product_attention has no sinks",
-        "alibi_grad": "ALiBi reaches it as a float attn_mask, so its slopes get no gradient",
-        "dropout": "PyTorch draws its own dropout mask, which the reference cannot rebuild",
-        "scale_grad": "its scale is a number, not a tensor with a gradient",
-        "topk": "it takes no key index lists (a repeated index is no mask); use the explicit protocol",
-        "varlen": "it takes (B, H, L, D) batches; use the flash_varlen or explicit protocol",
-    },
-    "flash": {
-        "causal_top_left": "its causal=True is bottom-right aligned (FlashAttention's); declare "
-                           "causal_bottom_right, or use the sdpa protocol for top-left",
-        "mask": "flash_attn_func takes no mask",
-        "padding": "flash_attn_func takes no key padding (the varlen entry point is the flash_varlen protocol)",
-        "bias": "flash_attn_func takes no bias",
-        "bias_grad": "flash_attn_func takes no bias",
-        "sinks": "flash_attn_func has no sinks",
-        "segments": "flash_attn_func has no segment ids",
-        "dropout": "the kernel draws its own dropout mask, which the reference cannot rebuild",
-        "scale_grad": "its softmax_scale is a number, not a tensor with a gradient",
-        "alibi_grad": "its alibi_slopes get no gradient",
-        "topk": "flash_attn_func takes no key index lists; use the explicit protocol",
-        "lse": "its softmax_lse carries no gradient; use the sdpa or explicit protocol",
-        "varlen": "flash_attn_func takes (B, L, H, D) batches; use the flash_varlen protocol",
-    },
-    "flash_varlen": {
-        "causal_top_left": "its causal=True is bottom-right aligned per sequence (FlashAttention's)",
-        "mask": "flash_attn_varlen_func takes no mask",
-        "padding": "its sequences have their own lengths, but a (B, L) batch's key padding is not packed here",
-        "bias": "flash_attn_varlen_func takes no bias",
-        "bias_grad": "flash_attn_varlen_func takes no bias",
-        "sinks": "flash_attn_varlen_func has no sinks",
-        "segments": "flash_attn_varlen_func has no segment ids (its sequences are the segments)",
-        "dropout": "the kernel draws its own dropout mask, which the reference cannot rebuild",
-        "scale_grad": "its softmax_scale is a number, not a tensor with a gradient",
-        "alibi_grad": "its alibi_slopes get no gradient",
-        "topk": "flash_attn_varlen_func takes no key index lists; use the explicit protocol",
-        "lse": "its softmax_lse carries no gradient; use the sdpa or explicit protocol",
-    },
-    "explicit": {"bfloat16": "it runs on NumPy, which has no bfloat16 (use the sdpa or flash protocol)"},
-}
 BUILTINS = ("torch.sdpa", "torch.sdpa:math", "torch.sdpa:flash", "torch.naive", "torch.flex",
             "jax.dpa", "attngrad.dense", "attngrad.tiled", "attngrad.varlen")
 CUDA_BUILTINS = ("torch.sdpa:efficient", "torch.sdpa:cudnn")  # listed only where CUDA is available
@@ -156,11 +97,40 @@ def check_features(names, where: str = "features", protocol: str | None = None) 
     return frozenset(names)
 
 
-def protocol_lacks(protocol: str, case) -> str | None:
-    """Why ``protocol`` cannot express ``case`` although the target declares its features."""
-    if protocol in ("flash", "flash_varlen") and not case.varlen and (case.window != "none" or case.alibi) and case.lq != case.lk \
-            and case.causal != "bottom_right":
-        return f"the {protocol} protocol aligns windows and ALiBi bottom-right; this case is top-left aligned"
+def parse_features(names, base, where: str = "features", protocol: str | None = None) -> frozenset:
+    """Feature names as declared: plain names (and "all") replace ``base``; "+name" adds to
+    it and "-name" takes away (``{"+lse"}``: ``base`` and the lse).  Checked as
+    :func:`check_features` checks them; a string is one comma list."""
+    if isinstance(names, str):
+        names = names.split(",")
+    try:
+        items = [str(n).strip() for n in names]
+    except TypeError:
+        raise TypeError(f"{where} must be a collection of feature names; got {type(names).__name__}") from None
+    plain = {n for n in items if n and n[0] not in "+-"}
+    plus = {n[1:].strip() for n in items if n.startswith("+")}
+    minus = {n[1:].strip() for n in items if n.startswith("-")}
+    chosen = set(check_features(plain, where, protocol)) if plain else set(base)
+    chosen |= check_features(plus, where, protocol)
+    chosen -= check_features(minus, where, None)
+    return frozenset(chosen)
+
+
+def protocol_lacks(protocol_name: str, case) -> str | None:
+    """Why ``protocol_name`` cannot express ``case`` although the target declares its
+    features (a per-case limit, or a layout it cannot pass); None when it can."""
+    p = REGISTRY.get(protocol_name)
+    if p is None:  # a built-in's own calling convention (jax.dpa): JAX arrays have no strides
+        if case.layout != "contiguous":
+            return f"the {protocol_name} target copies its inputs into arrays of its own (no layout to probe)"
+        return None
+    if case.layout not in p.layouts:
+        why = "torch tensors have no negative strides" if case.layout == "flipped" else "it has no such views"
+        return f"the {protocol_name} protocol cannot pass layout {case.layout} ({why})"
+    if p.lacks is not None:
+        why = p.lacks(case)
+        if why:
+            return f"the {protocol_name} protocol cannot express this case: {why}"
     return None
 
 
@@ -227,7 +197,7 @@ def _attngrad_target(impl: str) -> Target:
         variants.add("alibi_grad")
     feats = BASE - {"bfloat16"} | MASKING | {"bias", "bias_grad", "topk", "lse", "varlen"} | variants
     if impl == "varlen":  # sdpa_varlen_forward under the flash_varlen protocol
-        feats = PROTOCOL_FEATURES["flash_varlen"] - {"bfloat16"}
+        feats = REGISTRY["flash_varlen"].features - {"bfloat16"}
         return Target("attngrad.varlen", "flash_varlen", frozenset(feats), attngrad_varlen,
                       "attngrad.sdpa_varlen_forward/sdpa_varlen_backward as flash_attn_varlen_func, "
                       "NumPy (no bfloat16 in NumPy)")
@@ -317,9 +287,11 @@ def _load_object(spec: str):
 
 def resolve_target(target, *, protocol: str | None = None, features=None, device: str = "cpu") -> Target:
     """A :class:`Target` from a built-in name, ``module:function``, ``file.py:function``,
-    a callable or an explicit-protocol object.  ``features`` replaces what it declares; a
-    declared feature its protocol cannot express raises ValueError naming it.  ``device``:
-    where the target's inputs are created (torch targets)."""
+    a callable or an explicit-protocol object.  ``features`` replaces what it declares
+    ("+name" items add to it, "-name" items take away: :func:`parse_features`); in an
+    ``attngrad_features`` attribute "+name" items add to the protocol's defaults.  A declared
+    feature its protocol cannot express raises ValueError naming it.  ``device``: where the
+    target's inputs are created (torch targets)."""
     if protocol is not None and protocol not in PROTOCOLS:
         raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}; got {protocol!r}")
     device = check_device(device)
@@ -339,23 +311,20 @@ def resolve_target(target, *, protocol: str | None = None, features=None, device
             proto = "explicit" if hasattr(obj, "forward") and hasattr(obj, "backward") else "sdpa"
         if proto not in PROTOCOLS:
             raise ValueError(f"{name}: attngrad_protocol must be one of {', '.join(PROTOCOLS)}; got {proto!r}")
-        if proto == "explicit":
+        spec = REGISTRY[proto]
+        if spec.numpy:
             if not (callable(getattr(obj, "forward", None)) and callable(getattr(obj, "backward", None))):
-                raise ValueError(f"{name}: the explicit protocol needs forward() and backward() methods")
-            _cpu_only(name, device, "uses the explicit protocol, which " + NUMPY_NOTE)
-            run = explicit_runner(obj)
-        else:
-            if not callable(obj):
-                raise ValueError(f"{name}: the {proto} protocol needs a callable; got {type(obj).__name__}")
-            runners = {"sdpa": lambda: sdpa_runner(obj, device=device), "flash": lambda: flash_runner(obj, device),
-                       "flash_varlen": lambda: flash_varlen_runner(obj, device)}
-            run = runners[proto]()
+                raise ValueError(f"{name}: the {proto} protocol needs forward() and backward() methods")
+            _cpu_only(name, device, f"uses the {proto} protocol, which " + NUMPY_NOTE)
+        elif not callable(obj):
+            raise ValueError(f"{name}: the {proto} protocol needs a callable; got {type(obj).__name__}")
+        run = spec.runner(obj, device)
         declared = getattr(obj, "attngrad_features", None)
-        feats = default_features(proto) if declared is None else check_features(
-            declared, f"{name}.attngrad_features", proto)
+        feats = default_features(proto) if declared is None else parse_features(
+            declared, default_features(proto), f"{name}.attngrad_features", proto)
         at = "" if device == "cpu" else f", on {device}"
         t = Target(name, proto, frozenset(feats), run, "a user's function" + at)
     if features is not None:
         proto = t.protocol if t.protocol in PROTOCOLS else None
-        t = Target(t.name, t.protocol, check_features(features, "features", proto), t.run, t.note)
+        t = Target(t.name, t.protocol, parse_features(features, t.features, "features", proto), t.run, t.note)
     return t

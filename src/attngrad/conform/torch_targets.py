@@ -12,8 +12,9 @@ from collections.abc import Callable
 import numpy as np
 
 from .inputs import CaseInputs
+from .layouts import torch_views, views
 from .reference import dropout_keep
-from .result import Result
+from .result import Result, WrongAnswer, expect_tensor
 
 
 def _torch():
@@ -74,7 +75,8 @@ def torch_naive(problem: CaseInputs, device="cpu") -> Result:
     def leaf(x, grad=True):
         return _leaf(torch, x, dt, grad, device)
 
-    leaves = {"q": leaf(problem.q), "k": leaf(problem.k), "v": leaf(problem.v)}
+    t = tensors(torch, problem, "bhld", dt, device)  # the case's layout (leaves when contiguous)
+    leaves = {n: t[n] for n in ("q", "k", "v")}
     scale = o["scale"]
     if c.scale_grad:
         leaves["scale"] = torch.tensor(scale, dtype=dt, device=device, requires_grad=True)
@@ -110,7 +112,7 @@ def torch_naive(problem: CaseInputs, device="cpu") -> Result:
         keep = _const(torch, dropout_keep(problem), wt, device)
         p = p * keep / (1 - c.dropout)
     out = (p @ v).to(dt)  # (B, H, Lq, Dv)
-    (out * _const(torch, problem.dout, dt, device)).sum().backward()
+    backward(torch, out, t["dout"])
     for name in ("bias", "alibi_slopes"):
         if name in leaves and name not in c.learned:
             del leaves[name]
@@ -125,6 +127,30 @@ def _alibi_bias(problem: CaseInputs) -> np.ndarray:
     return -np.asarray(o["alibi_slopes"], np.float64)[None, :, None, None] * dist
 
 
+def tensors(torch, problem: CaseInputs, order: str, dtype, device="cpu") -> dict:
+    """q, k, v, dout of ``problem`` in ``order`` ("bhld" or "blhd") as torch tensors laid out
+    as the case says (see :func:`inputs`)."""
+    names = ("q", "k", "v", "dout")
+    arrays = {n: getattr(problem, n) for n in names}  # (B, H, L, X)
+    if order == "blhd":
+        arrays = {n: np.swapaxes(a, 1, 2) for n, a in arrays.items()}  # (B, L, H, X)
+    if problem.case.layout == "contiguous":
+        out = {n: _leaf(torch, a, dtype, n != "dout", device) for n, a in arrays.items()}
+        out["dout"] = out["dout"].detach()
+        return out
+    return torch_views(torch, views(arrays, problem.case.layout, order), dtype, device)
+
+
+def backward(torch, out, dout, lse=None, dlse=None) -> None:
+    """Gradients of L = <out, dout> (+ <lse, dlse>): dout reaches the target's backward as it
+    was passed (a view in the layout probes)."""
+    outs, grads = [out], [dout]
+    if lse is not None:
+        outs.append(lse)
+        grads.append(dlse)
+    torch.autograd.backward(outs, grads)
+
+
 def sdpa_runner(fn, backend: str | None = None, device="cpu", builtin: bool = False
                 ) -> Callable[[CaseInputs], Result]:
     """torch.nn.functional.scaled_dot_product_attention's signature, autograd gradients.
@@ -132,18 +158,19 @@ def sdpa_runner(fn, backend: str | None = None, device="cpu", builtin: bool = Fa
     Causal alone is ``is_causal=True`` (top-left, or Lq = Lk); every other structure (masks,
     padding, bottom-right causal, windows, segments) is a boolean ``attn_mask`` (True = attend),
     for the built-in torch.sdpa bottom-right causal alone is ``causal_lower_right``; a bias and
-    ALiBi are a float ``attn_mask`` with -inf where masked.
+    ALiBi are a float ``attn_mask`` with -inf where masked.  ``scale`` is left out in the cases
+    that say so.  The output (and lse) must be a tensor of the expected shape and dtype.
     """
 
     def run(problem: CaseInputs) -> Result:
         torch = _torch()
         c, o = problem.case, problem.options
         dt = _tdtype(torch, c.dtype)
-        leaves = {n: _leaf(torch, a, dt, True, device)
-                  for n, a in (("q", problem.q), ("k", problem.k), ("v", problem.v))}
+        t = tensors(torch, problem, "bhld", dt, device)
+        leaves = {n: t[n] for n in ("q", "k", "v")}
         structure = any(n in o for n in ("mask", "key_lengths", "window", "q_segment_ids"))
         additive = "bias" in o or "alibi_slopes" in o
-        kwargs: dict = {"scale": o["scale"]}
+        kwargs: dict = {} if c.scale == "none" else {"scale": o["scale"]}
         attn_mask = None
         if c.causal != "none" and not (structure or additive) and (c.causal == "top_left" or c.lq == c.lk):
             kwargs["is_causal"] = True
@@ -179,15 +206,15 @@ def sdpa_runner(fn, backend: str | None = None, device="cpu", builtin: bool = Fa
         lse = None
         if c.lse:  # the target returns (out, lse); the loss is <out, dout> + <lse, dlse>
             if not isinstance(out, tuple | list) or len(out) < 2:
-                raise TypeError("a target declaring lse must return (out, lse); got "
-                                f"{type(out).__name__}")
+                raise WrongAnswer(f"the answer is a {type(out).__name__}, expected (out, lse) "
+                                  "(the target declares lse)")
             out, lse = out[0], out[1]
+            expect_tensor(torch, lse, (c.b, c.h, c.lq), None, "lse (returned)")
         elif isinstance(out, tuple):  # (out, lse, ...) from kernels that return more
             out = out[0]
-        loss = (out * _const(torch, problem.dout, dt, device)).sum()
-        if lse is not None:
-            loss = loss + (lse * _const(torch, problem.dlse, lse.dtype, device)).sum()
-        loss.backward()
+        expect_tensor(torch, out, (c.b, c.h, c.lq, c.dv), dt)
+        dlse = None if lse is None else _const(torch, problem.dlse, lse.dtype, device)
+        backward(torch, out, t["dout"], lse, dlse)
         result = _collect(out, leaves)
         if lse is not None:
             result.grads["lse"] = lse.detach().cpu().double().numpy().copy()
@@ -196,34 +223,44 @@ def sdpa_runner(fn, backend: str | None = None, device="cpu", builtin: bool = Fa
     return run
 
 
+def flash_kwargs(problem: CaseInputs) -> dict:
+    """flash_attn_func's keyword arguments after q, k, v (``softmax_scale`` left out in the cases
+    that say so; alibi_slopes as float64 NumPy or None)."""
+    c, o = problem.case, problem.options
+    left, right = o.get("window", (None, None))
+    kwargs = {
+        "dropout_p": 0.0,
+        "softmax_scale": o["scale"],
+        "causal": c.causal != "none",
+        "window_size": (-1 if left is None else left, -1 if right is None else right),
+        "softcap": float(c.softcap),
+        "alibi_slopes": o.get("alibi_slopes"),
+        "deterministic": True,
+        "return_attn_probs": False,
+    }
+    if c.scale == "none":
+        del kwargs["softmax_scale"]
+    return kwargs
+
+
 def flash_runner(fn, device="cpu") -> Callable[[CaseInputs], Result]:
     """FlashAttention's flash_attn_func signature on (B, L, H, D) tensors, autograd."""
 
     def run(problem: CaseInputs) -> Result:
         torch = _torch()
-        c, o = problem.case, problem.options
+        c = problem.case
         dt = _tdtype(torch, c.dtype)
-        leaves = {n: _leaf(torch, np.swapaxes(a, 1, 2), dt, True, device)
-                  for n, a in (("q", problem.q), ("k", problem.k), ("v", problem.v))}
-        left, right = o.get("window", (None, None))
-        kwargs = {
-            "dropout_p": 0.0,
-            "softmax_scale": o["scale"],
-            "causal": c.causal != "none",
-            "window_size": (-1 if left is None else left, -1 if right is None else right),
-            "softcap": float(c.softcap),
-            "alibi_slopes": None,
-            "deterministic": True,
-            "return_attn_probs": False,
-        }
-        if "alibi_slopes" in o:  # float32 as FlashAttention wants, float64 kept in float64 cases
-            kwargs["alibi_slopes"] = _const(torch, o["alibi_slopes"],
+        t = tensors(torch, problem, "blhd", dt, device)
+        leaves = {n: t[n] for n in ("q", "k", "v")}
+        kwargs = flash_kwargs(problem)
+        if kwargs["alibi_slopes"] is not None:  # float32 as FlashAttention wants, float64 kept in float64 cases
+            kwargs["alibi_slopes"] = _const(torch, kwargs["alibi_slopes"],
                                             torch.float64 if c.dtype == "float64" else torch.float32, device)
         out = fn(leaves["q"], leaves["k"], leaves["v"], **kwargs)
         if isinstance(out, tuple):
             out = out[0]
-        dout = _const(torch, np.swapaxes(problem.dout, 1, 2), dt, device)
-        (out * dout).sum().backward()
+        expect_tensor(torch, out, (c.b, c.lq, c.h, c.dv), dt)
+        backward(torch, out, t["dout"])
         return _collect(out, leaves, layout_bl=True)
 
     return run
@@ -265,17 +302,19 @@ def torch_flex(problem: CaseInputs, device="cpu") -> Result:
         return torch.where(allowed[b, h, i, j], score, -float("inf"))
 
     def forward(grad: bool):
-        leaves = {n: _leaf(torch, a, dt, grad, device)
-                  for n, a in (("q", problem.q), ("k", problem.k), ("v", problem.v))}
+        t = tensors(torch, problem, "bhld", dt, device)
+        leaves = {n: t[n] if grad else t[n].detach() for n in ("q", "k", "v")}
+        kwargs = {} if c.scale == "none" else {"scale": o["scale"]}
         out = flex_attention(leaves["q"], leaves["k"], leaves["v"], score_mod=score_mod,
-                             scale=o["scale"], enable_gqa=c.hkv != c.h)
-        return out, leaves
+                             enable_gqa=c.hkv != c.h, **kwargs)
+        return out, leaves, t["dout"]
 
     try:
-        out, leaves = forward(True)
-        (out * _const(torch, problem.dout, dt, device)).sum().backward()
+        out, leaves, dout = forward(True)
+        expect_tensor(torch, out, (c.b, c.h, c.lq, c.dv), dt)
+        backward(torch, out, dout)
         return _collect(out, leaves)
     except NotImplementedError as exc:  # the backward is refused on CPU: check the forward
-        out, _ = forward(False)
+        out, _, _ = forward(False)
         why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         return Result(out.detach().cpu().double().numpy().copy(), None, f"backward refused: {why}")

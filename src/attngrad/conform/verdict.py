@@ -118,10 +118,11 @@ def dataflow(names) -> list:
     return sorted(names, key=lambda n: DATAFLOW.index(n) if n in DATAFLOW else len(DATAFLOW))
 
 
-def judge(names, dtype: str, ref: Result, got: Result, plain: Result | None,
+def judge(names, dtype: str, ref: Result, got: Result, plain,
           *, rtol: float, factor: float, floor_ulps: float | None = None) -> tuple[str, str, dict]:
     """(verdict, reason, errors) of ``got`` for the tensors ``names``; the reason names the
-    first wrong tensor in data-flow order."""
+    first wrong tensor in data-flow order.  ``plain``: the baseline (a Result, or a tuple of
+    them whose larger error allows; None for float64)."""
     names = dataflow(names)
     ulps = FLOOR_ULPS[dtype] if floor_ulps is None else floor_ulps
     if got.refused and got.out is None:
@@ -149,10 +150,11 @@ def judge(names, dtype: str, ref: Result, got: Result, plain: Result | None,
         if dtype == "float64":
             errors[name] = Error(err, rtol)
         else:
-            p = plain.out if name == "out" else plain.grads[name]
-            perr = relative_error(p, r, floor)
-            if not np.isfinite(perr):
-                perr = 0.0
+            perr = 0.0
+            for base in (plain,) if isinstance(plain, Result) else plain:  # the larger error allows
+                p = base.out if name == "out" else base.grads[name]
+                e = relative_error(p, r, floor)
+                perr = max(perr, e if np.isfinite(e) else 0.0)
             own = scale_of(r)
             denom = max(own, floor)
             s_t = own if own >= CANCEL * largest else largest  # S_t: the tensor's own scale
