@@ -9,21 +9,19 @@ Both use causal ``scaled_dot_product_attention``-equivalent maths, cross-entropy
 ``clip_grad_norm_`` and AdamW (decay on matrices only, as attngrad), the learning rate of
 attngrad's schedule at each step.  Each text batch is random windows of bytes.
 
-The child process keeps freed memory for reuse, as ``attngrad train`` does
-(:func:`attngrad.runtime.allocator.retain_freed_memory`, glibc's malloc thresholds;
-process-wide, so the PyTorch twin runs with it too) and shortens the spin of NumPy's
-OpenBLAS threads after a product (:func:`attngrad.runtime.blas_spin.limit_blas_spin`;
-the twin's products do not run on NumPy's BLAS).  Timing is round-robin (one step
-of attngrad, one of PyTorch, repeated), each thread
-count in a fresh child process (OMP/MKL/OpenBLAS threads set before NumPy and torch load,
-the child pinned to that many CPUs: attngrad's attention workers count the CPUs it may
-run on, so without the pin "1 thread" would give its tiled attention every core);
+The child runs attngrad as a library user's script does: no process-wide setting of
+``attngrad train``'s (``--as-train`` keeps freed memory for reuse as ``attngrad train``
+does, :func:`attngrad.runtime.allocator.retain_freed_memory`, glibc's malloc thresholds;
+process-wide, so the PyTorch twin runs with it too).  Timing is round-robin (one step of
+attngrad, one of PyTorch, repeated), each thread count in a fresh child process
+(OMP/MKL/OpenBLAS threads set before NumPy and torch load, the child pinned to that many
+CPUs, so that attngrad's default thread count, the CPUs it may run on, is that many);
 reported per round: the ratio attngrad / PyTorch (median, min, max over rounds), and
 tokens/s (B x T / median step time) of each, with the load average before and after.
 Each timed step follows ``--settle`` untimed steps (default 1) of the same contender, as in
-its own training loop: threads a contender leaves running after its step (PyTorch's
-OpenMP threads spin between operations; NumPy's OpenBLAS threads ~0.1 s after a threaded
-product where their spin is not shortened) would otherwise slow the other's timed step.
+its own training loop; ``--settle 0`` is the *mixed* mode, the two steps back to back
+as in a script that calls one library right after the other (PyTorch's OpenMP threads
+spin for a while after its step).
 
     python benchmarks/lm_step.py                        # default and char sizes, 1 and 2 threads
     python benchmarks/lm_step.py --sizes tiny --threads 1 --repeats 3 --warmup 1   # a smoke run
@@ -158,11 +156,10 @@ def run_child(args) -> list:
     import numpy as np
     import torch
 
-    from attngrad.runtime.allocator import retain_freed_memory
-    from attngrad.runtime.blas_spin import limit_blas_spin
+    if args.as_train:
+        from attngrad.runtime.allocator import retain_freed_memory
 
-    retain_freed_memory()  # as ``attngrad train`` does (process-wide: the twin gets it too)
-    limit_blas_spin()  # as ``attngrad train`` does (NumPy's OpenBLAS only: not the twin's BLAS)
+        retain_freed_memory()  # as ``attngrad train`` does (process-wide: the twin gets it too)
 
     from attngrad.models import MODELS as M
     from attngrad.train.config import TrainConfig
@@ -234,6 +231,18 @@ def run_child(args) -> list:
     return rows
 
 
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), else the platform's."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", nargs="+", choices=sorted(SIZES), default=["default", "char"])
@@ -243,6 +252,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3, help="untimed rounds first (default 3)")
     ap.add_argument("--settle", type=int, default=1,
                     help="untimed steps of a contender just before each of its timed steps (default 1)")
+    ap.add_argument("--as-train", action="store_true",
+                    help="keep freed memory for reuse in the child, as attngrad train does")
     ap.add_argument("--json", default=None, metavar="FILE", help="also write the rows as JSON")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -256,7 +267,7 @@ def main() -> None:
         env = {**os.environ, **{k: str(n) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")}}
         cmd = [sys.executable, os.path.abspath(__file__), "--child", "--threads", str(n), "--sizes", *args.sizes,
                "--models", *args.models, "--repeats", str(args.repeats), "--warmup", str(args.warmup),
-               "--settle", str(args.settle)]
+               "--settle", str(args.settle), *(["--as-train"] if args.as_train else [])]
         res = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
         if res.returncode:
             sys.exit(f"child with {n} thread(s) failed:\n{res.stderr[-3000:]}")
@@ -266,7 +277,7 @@ def main() -> None:
     import torch
 
     print(f"one language-model training step, float32, attngrad / PyTorch eager twin, round-robin "
-          f"({args.repeats} rounds after {args.warmup}, {args.settle} untimed step(s) before each timed one); {platform.processor() or platform.machine()}, "
+          f"({args.repeats} rounds after {args.warmup}, {args.settle} untimed step(s) before each timed one{'; as attngrad train' if args.as_train else ''}); {cpu_name()}, "
           f"{os.cpu_count()} CPUs; load average {load0[0]:.2f} before, {load1[0]:.2f} after")
     print(f"{'size':<8} {'model':<8} {'thr':>3} {'B x T':>9} {'attngrad ms':>11} {'torch ms':>9} "
           f"{'attngrad tok/s':>14} {'torch tok/s':>11} {'ratio med [min, max]':>22}")

@@ -9,8 +9,8 @@ from ..layers.activations import ACTIVATIONS
 from ..models import MODELS
 from ..report.run import write_run_report
 from ..runtime.allocator import retain_freed_memory
-from ..runtime.blas_spin import limit_blas_spin
 from ..runtime.parallel import blas_threads
+from ..runtime.threads import get_num_threads, set_num_threads
 from ..train.data import TASKS
 from ..train.loop import (
     RESUMABLE,
@@ -116,7 +116,8 @@ def register(sub) -> None:
     p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CKPT",
                    help="continue from the newest checkpoint in --out, or from CKPT")
     p.add_argument("--threads", type=_int(1), default=None,
-                   help="BLAS threads (default 1: robust on small shared machines)")
+                   help="threads for attngrad's work and NumPy's BLAS (default: attngrad.get_num_threads(), "
+                        "i.e. ATTNGRAD_NUM_THREADS or every CPU this process may use)")
     p.add_argument("--no-plots", dest="plots", action="store_false", default=None, help="skip the PNG figures")
     p.add_argument("--quiet", action="store_true", default=None, help="no progress bar")
     p.add_argument("--tensorboard", action="store_true", default=None,
@@ -197,9 +198,10 @@ def run(args) -> int:
     print(f"attngrad train: {cfg.model} on {_what(cfg)}, {cfg.steps} steps, batch {cfg.batch_size}, E={cfg.dim}, "
           f"H={cfg.heads}, {cfg.layers} layers, {cfg.dtype}{_source(cfg)} -> {args.out}")
     retain_freed_memory()  # this process trains: each step's big arrays reuse the last step's pages
-    limit_blas_spin()  # and NumPy's OpenBLAS threads leave the cores between products
+    if args.threads is not None:
+        set_num_threads(args.threads)  # attngrad's workers in this process
     try:
-        with blas_threads(args.threads):
+        with blas_threads(get_num_threads()):
             fit = train_dp.rank_train(args) if args.distributed else train  # --distributed: one rank
             res = fit(cfg, args.out, resume=args.resume, progress=not args.quiet, plots=args.plots,
                       warn=lambda text: print(f"attngrad train: {text}", file=sys.stderr),

@@ -20,7 +20,7 @@ from ..train.presets import preset as get_preset
 from . import train_dp
 
 # (dest, value) of the options that are None when not given, and their real defaults
-DEFAULTS = {"threads": 1, "plots": True, "quiet": False, "tensorboard": False, **train_dp.DEFAULTS}
+DEFAULTS = {"threads": None, "plots": True, "quiet": False, "tensorboard": False, **train_dp.DEFAULTS}
 _NOT_FROM_FILE = ("help", "config", "_parser", "distributed")
 
 

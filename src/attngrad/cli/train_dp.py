@@ -33,7 +33,8 @@ def add_options(p: argparse.ArgumentParser) -> None:
 
 
 def rank_argv(args) -> list[str]:
-    """The command line each rank runs: the options given here, plus --distributed."""
+    """The command line each rank runs: the options given here, plus --distributed (and
+    --threads, where not given: :func:`attngrad.get_num_threads` shared out among the ranks)."""
     argv = ["-m", "attngrad", "train", "--distributed", "--dist-timeout", repr(args.dist_timeout)]
     for a in args._parser._actions:
         if a.dest in (*_OURS, "help", "_parser") or not a.option_strings:
@@ -49,6 +50,10 @@ def rank_argv(args) -> list[str]:
             argv.append(flag)
         else:
             argv += [flag, repr(value) if isinstance(value, float) else str(value)]
+    if getattr(args, "threads", None) is None:  # the ranks share the cores: each its share
+        from ..runtime.threads import get_num_threads
+
+        argv += ["--threads", str(max(1, get_num_threads() // args.nproc))]
     return argv
 
 
