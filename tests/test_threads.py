@@ -112,3 +112,60 @@ def test_inside_pytorch_the_default_is_torchs_count(monkeypatch):
     assert attngrad.get_num_threads() == 3
     monkeypatch.delenv(threads.ENV)
     assert attngrad.get_num_threads() == parallel.available_cores()  # only inside the op
+
+
+_NO_NUMPY_BLAS = """
+import os, sys
+import numpy as np  # NumPy's OpenBLAS starts its threads as it loads
+main = str(os.getpid())
+
+def blas_ticks():  # CPU ticks of every thread but this one, as they stand
+    out = {}
+    for t in os.listdir("/proc/self/task"):
+        if t != main:
+            f = open(f"/proc/self/task/{t}/stat").read().rsplit(")", 1)[1].split()
+            out[t] = int(f[11]) + int(f[12])
+    return out
+
+before = blas_ticks()
+if not before:
+    sys.exit(3)  # NumPy's BLAS has no threads here: nothing to show
+from attngrad.models import MODELS
+from attngrad.train.config import TrainConfig
+from attngrad.train.loop import train_step
+from attngrad.train.optim import adamw_init
+from attngrad.runtime import fused
+if not fused.private_blas():
+    sys.exit(3)
+for model in ("decoder", "llama"):
+    cfg = TrainConfig.from_flat({"data": sys.argv[1], "model": model, "dim": 64, "heads": 4, "ffn": 128,
+                                 "layers": 1, "context": 64, "batch_size": 64, "steps": 10, "warmup": 1})
+    params = MODELS[model].init(cfg.model_config, 0)
+    opt = adamw_init(params)
+    rng = np.random.default_rng(0)
+    win = rng.integers(3, 200, size=(64, 65))
+    for step in (1, 2, 3):
+        params, opt, _ = train_step(params, opt, {"inp": win[:, :-1], "tgt": win[:, 1:]}, cfg, step)
+after = blas_ticks()
+print(sum(after[t] - before[t] for t in before))
+"""
+
+
+def test_a_training_step_leaves_numpys_blas_threads_idle(tmp_path):
+    """Every product of a language-model step runs on attngrad's own threads (the private
+    BLAS on the caller or on the workers): NumPy's OpenBLAS threads, started as NumPy
+    loaded, take no CPU time during three steps of each model (in a fresh process)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if parallel.available_cores() < 2:
+        pytest.skip("one CPU: NumPy's BLAS has no threads of its own")
+    text = Path(__file__).resolve().parents[1] / "README.md"
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")}
+    done = subprocess.run([sys.executable, "-c", _NO_NUMPY_BLAS, str(text)], capture_output=True, text=True,
+                          timeout=600, env=env)
+    if done.returncode == 3:
+        pytest.skip("no threads of NumPy's own BLAS, or no private BLAS, to tell them apart")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert int(done.stdout.split()[-1]) <= 2  # ticks of 10 ms: none but scheduling noise
