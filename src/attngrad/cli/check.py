@@ -15,6 +15,7 @@ from ..core.masks import CAUSAL_ALIGNMENTS
 from ..core.variants import ALL_VARIANTS
 from ..core.variants import parse_all_variants as parse_variant_names
 from ..resources import format_seconds
+from .score_file import add_score_mod, check_score_mod_cli
 
 PROGRESS_AFTER = 5.0  # seconds: longer runs report their steps on stderr
 
@@ -90,10 +91,14 @@ def register(sub) -> None:
                         "ALiBi slopes with an attention bias, and scale are checked as parameters; V1-V7 and gate "
                         "through the layer, topk and lse through sdpa_forward on q, k, v: 'all' runs both cases)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
+    add_score_mod(p, "check its derived gradients (q, k, v, each captured tensor) against PyTorch autograd and "
+                     "finite differences (float64; with --batch, --heads, --kv-heads, --lq, --lk, --seed)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
+    if args.score_mod is not None:
+        return check_score_mod_cli(args)
     cfg = CheckConfig(
         flavors=FLAVORS if args.flavor == "all" else (args.flavor,),
         batch=args.batch,

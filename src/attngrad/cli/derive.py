@@ -8,6 +8,7 @@ from ..formulas import FLAVORS, FORMATS, derive_document, numeric_walkthrough
 from ..formulas.numeric import load_case
 from ..formulas.rope_norm import EXTRA
 from .check import add_formula_variant
+from .score_file import add_score_mod, derive_score_mod
 
 
 def register(sub) -> None:
@@ -38,10 +39,14 @@ def register(sub) -> None:
                    help="with --numeric: your own case, saved by numpy.savez: X, W_q, W_k, W_v, W_o; "
                         "optional M (cross), b_q, b_k, b_v, b_o, G, key_lengths, num_heads "
                         "(docs/guide/gradient-tools.md)")
+    add_score_mod(p, "print its forward, its derivative derived symbolically (∂S/∂score, ∂S/∂ each "
+                     "captured tensor) and the gradients (FX1-FX4), instead of a flavor")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
+    if args.score_mod is not None:
+        return derive_score_mod(args)
     if args.variant is not None and args.flavor is not None:
         raise ValueError(f"--variant prints the attention core of one head; --flavor {args.flavor} cannot apply")
     if args.numeric:
