@@ -29,7 +29,7 @@ import numpy as np
 from .data import N_SPECIAL
 
 CHUNK = 1 << 20  # bytes read at a time
-PIECE = 1 << 20  # characters encoded at a time by a tokenizer (about)
+PIECE = 1 << 16  # characters encoded at a time by a tokenizer (about: its Encoding takes ~170 bytes a character)
 TEXT_SUFFIX = ".txt"
 
 
@@ -39,7 +39,8 @@ class TextCorpus:
     array each, or a tuple of them (shards: windows never cross from one to the next);
     ``sha256`` identifies the data (checked when resuming); ``chars``: its Unicode characters
     (None for shards); ``val_bytes``: bytes of text behind the validation split (None: one
-    per id); ``eod``: the end-of-document id between files (None: none)."""
+    per id); ``eod``: the end-of-document id between files (None: none); ``counts``: the
+    (train, val) bincounts of the ids when counted already (token shards)."""
 
     path: str
     train: object
@@ -49,6 +50,7 @@ class TextCorpus:
     tokenizer: object = None  # None: bytes; else a tokenizer of train/tokenizer.py
     val_bytes: int | None = None
     eod: int | None = None
+    counts: tuple | None = None  # (train, val) bincounts of the ids, when already counted (shards)
 
 
 def id_dtype(vocab: int) -> np.dtype:
@@ -173,8 +175,8 @@ class IdBuffer:
 
 
 class TextEncoder:
-    """Text in, ids out, through ``tokenizer.encode`` in pieces of about PIECE characters
-    cut at a line break between two non-blank characters (bytes: every byte at once)."""
+    """Text in, ids out, through ``tokenizer.encode`` in pieces of PIECE to 2 PIECE
+    characters (:func:`take_pieces`); bytes: every byte at once."""
 
     def __init__(self, tokenizer, sink):
         self.tok, self.sink, self.pending = tokenizer, sink, []
@@ -187,35 +189,52 @@ class TextEncoder:
             return
         self.pending.append(text)
         self.size += len(text)
-        if self.size >= PIECE:
-            s = "".join(self.pending)
-            cut = safe_cut(s)
-            if cut:
-                self.sink(self.tok.encode(s[:cut]))
-                s = s[cut:]
-            self.pending, self.size = ([s], len(s)) if s else ([], 0)
+        if self.size > 2 * PIECE:
+            self._encode(final=False)
 
     def flush(self) -> None:
         if self.pending:
-            s = "".join(self.pending)
-            if s:
-                self.sink(self.tok.encode(s))
-            self.pending, self.size = [], 0
+            self._encode(final=True)
+
+    def _encode(self, final: bool) -> None:
+        pieces, rest = take_pieces("".join(self.pending), final)
+        for piece in pieces:
+            self.sink(self.tok.encode(piece))
+        self.pending, self.size = ([rest], len(rest)) if rest else ([], 0)
 
 
 def safe_cut(s: str) -> int:
     """The position after the last "\\n" of ``s`` with a non-blank character on both sides
-    (0: there is none; past 8 PIECEs of text without one, the last space or the end)."""
+    (0: there is none).  GPT-2-style pre-tokenizers split there anyway, so the pieces on
+    either side encode to the ids of the whole."""
     i = len(s)
     while True:
         i = s.rfind("\n", 0, i)
         if i <= 0:
-            break
+            return 0
         if i + 1 < len(s) and not s[i - 1].isspace() and not s[i + 1].isspace():
             return i + 1
-    if len(s) < 8 * PIECE:
-        return 0
-    return s.rfind(" ") + 1 or len(s)  # a text without line breaks: memory stays bounded
+
+
+def take_pieces(s: str, final: bool = False) -> tuple[list, str]:
+    """(pieces of PIECE to 2 PIECE characters cut at :func:`safe_cut`, the rest): the rest
+    waits for more text, unless ``final``.  Past 8 PIECEs without such a line break (a text
+    of one long line) a piece is cut before a space, so memory stays bounded."""
+    out, start = [], 0
+    while len(s) - start > 2 * PIECE:
+        window = s[start : start + 2 * PIECE]
+        cut = safe_cut(window)
+        if not cut:
+            if not final and len(s) - start < 8 * PIECE:
+                break  # a line break may come with the next text
+            cut = window.rfind(" ") if window.rfind(" ") > 0 else len(window)
+        out.append(window[:cut])
+        start += cut
+    rest = s[start:]
+    if final and rest:
+        out.append(rest)
+        rest = ""
+    return out, rest
 
 
 def encode_documents(files: list, tokenizer, val_fraction: float, vocab: int, *, eod=None):
@@ -272,25 +291,13 @@ def load_text(path, context: int, val_fraction: float, tokenizer, *, vocab: int,
 
 
 def training_text(files: list, val_fraction: float):
-    """The training split's text, in pieces of about PIECE characters cut at line breaks
-    between non-blank characters (what a BPE is fitted to: the same words as the whole)."""
-    pending, size = [], 0
+    """The training split's text, in pieces of PIECE to 2 PIECE characters cut at line
+    breaks between non-blank characters (what a BPE is fitted to: the words of the whole)."""
+    pending = ""
     for event, split, _raw, text in iter_pieces(files, val_fraction, char_boundary=True, stats={}):
         if split == "val":
             break
-        if event == "end":  # a file ends: its text is a piece of its own
-            if pending:
-                yield "".join(pending)
-            pending, size = [], 0
-            continue
-        pending.append(text)
-        size += len(text)
-        if size >= PIECE:
-            s = "".join(pending)
-            cut = safe_cut(s)
-            if cut:
-                yield s[:cut]
-                s = s[cut:]
-            pending, size = ([s], len(s)) if s else ([], 0)
+        pieces, pending = take_pieces(pending + (text or ""), final=event == "end")  # a file ends: all of it
+        yield from pieces
     if pending:
-        yield "".join(pending)
+        yield from take_pieces(pending, final=True)[0]

@@ -162,10 +162,9 @@ def write_shards(data, out, tokenizer, *, val_fraction: float = 0.1, fit=None, l
 
 
 def _map(f: Path, dtype, tokens: int | None = None) -> tuple:
-    """(read-only memory map of file ``f`` as ``dtype`` ids (an llm.c header skipped), its
-    largest id); ``tokens``: the count tokens.json gives, checked against the file's size.
-    The largest id is found by reading the file in pieces, not through the map, so that
-    the check leaves no page of it resident."""
+    """(read-only memory map of file ``f`` as ``dtype`` ids (an llm.c header skipped), the
+    byte offset of its ids); ``tokens``: the count tokens.json gives, checked against the
+    file's size."""
     size = f.stat().st_size
     dtype = np.dtype(dtype).newbyteorder("<")
     item = dtype.itemsize
@@ -180,44 +179,66 @@ def _map(f: Path, dtype, tokens: int | None = None) -> tuple:
     if (size - offset) % item:
         raise ValueError(f"--data: {f} has {size - offset} bytes, not a whole number of {dtype.name} ids")
     n = (size - offset) // item
-    hi = -1
-    with open(f, "rb") as fh:
-        fh.seek(offset)
-        for _ in range(0, n, SCAN):
-            piece = np.fromfile(fh, dtype=dtype, count=SCAN)
-            if piece.size:
-                hi = max(hi, int(piece.max()))
     if n == 0:
-        return np.zeros(0, dtype=dtype), hi
-    return np.memmap(f, dtype=dtype, mode="r", offset=offset, shape=(n,)), hi
+        return np.zeros(0, dtype=dtype), offset
+    return np.memmap(f, dtype=dtype, mode="r", offset=offset, shape=(n,)), offset
+
+
+def count_ids(f: Path, dtype, offset: int, start: int, stop: int) -> np.ndarray:
+    """How often each id occurs among ids ``start .. stop - 1`` of file ``f`` (a bincount),
+    read in pieces through the file, not through a memory map, so that no page of it stays
+    resident (the largest id is ``len - 1``: the range check; the unigram baseline)."""
+    dtype = np.dtype(dtype).newbyteorder("<")
+    counts = np.zeros(0, dtype=np.int64)
+    with open(f, "rb") as fh:
+        fh.seek(offset + start * dtype.itemsize)
+        for i in range(start, stop, SCAN):
+            piece = np.fromfile(fh, dtype=dtype, count=min(SCAN, stop - i))
+            c = np.bincount(piece.astype(np.intp))
+            if c.size > counts.size:
+                c[: counts.size] += counts
+                counts = c
+            else:
+                counts[: c.size] += c
+    return counts
+
+
+def _sum(counts: list) -> np.ndarray:
+    out = np.zeros(max((c.size for c in counts), default=0), dtype=np.int64)
+    for c in counts:
+        out[: c.size] += c
+    return out
 
 
 def load_shards(path, context: int, val_fraction: float) -> tuple:
     """(TextCorpus without its tokenizer, tokens.json or None, the largest id) of shard
-    ``path``: train and val memory-mapped (a tuple of segments when there are several files)."""
+    ``path``: train and val memory-mapped (a tuple of segments when there are several
+    files), their id counts (``TextCorpus.counts``) read once through the files."""
     p = Path(path)
     meta = read_meta(p.parent if p.is_file() else p)
     sha = hashlib.sha256()
     if p.is_file():  # one .bin: its tail held out
         dtype = np.dtype(meta["dtype"]) if meta else np.dtype(np.uint16)
-        whole, hi = _map(p, dtype)
+        whole, off = _map(p, dtype)
         n_val = int(np.ceil(len(whole) * val_fraction))
         train, val = whole[: len(whole) - n_val], whole[len(whole) - n_val :]
+        counts = (count_ids(p, dtype, off, 0, len(train)), count_ids(p, dtype, off, len(train), len(whole)))
         _identify(sha, [p])
         val_bytes = None
     elif meta is not None:
         dtype = np.dtype(meta["dtype"])
-        (train, hi_t), (val, hi_v) = (_map(p / meta[s]["file"], dtype, meta[s]["tokens"]) for s in ("train", "val"))
-        hi = max(hi_t, hi_v)
+        maps = [(p / meta[s]["file"], *_map(p / meta[s]["file"], dtype, meta[s]["tokens"])) for s in ("train", "val")]
+        (train, val), counts = (m for _, m, _ in maps), tuple(count_ids(f, dtype, o, 0, len(m)) for f, m, o in maps)
         sha.update(json.dumps(meta, sort_keys=True).encode())
         val_bytes = meta["val"].get("bytes")
     else:  # nanoGPT / llm.c shards
         tf, vf = sorted(p.glob("*train*.bin")), sorted(p.glob("*val*.bin"))
         if not vf:
             raise ValueError(f"--data: {p} has {len(tf)} *train*.bin files but no *val*.bin (the held-out split)")
-        maps = [_map(f, np.uint16) for f in [*tf, *vf]]
-        hi = max(h for _, h in maps)
-        train, val = tuple(m for m, _ in maps[: len(tf)]), tuple(m for m, _ in maps[len(tf) :])
+        maps = [(f, *_map(f, np.uint16)) for f in [*tf, *vf]]
+        cs = [count_ids(f, np.uint16, o, 0, len(m)) for f, m, o in maps]
+        counts = (_sum(cs[: len(tf)]), _sum(cs[len(tf) :]))
+        train, val = tuple(m for _, m, _ in maps[: len(tf)]), tuple(m for _, m, _ in maps[len(tf) :])
         train, val = (train[0] if len(train) == 1 else train), (val[0] if len(val) == 1 else val)
         _identify(sha, [*tf, *vf])
         val_bytes = None
@@ -225,8 +246,9 @@ def load_shards(path, context: int, val_fraction: float) -> tuple:
     n_val = sum(len(s) for s in (val if isinstance(val, tuple) else (val,)))
     check_sizes(str(p), f"{n_train + n_val} ids", n_train, n_val, context, val_fraction, "tokens")
     eod = meta.get("eod") if meta else None
+    hi = max(counts[0].size, counts[1].size) - 1
     return TextCorpus(str(p), train, val, sha.hexdigest(), meta.get("chars") if meta else None, None,
-                      val_bytes, eod), meta, hi
+                      val_bytes, eod, counts), meta, hi
 
 
 def _identify(sha, files) -> None:

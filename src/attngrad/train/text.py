@@ -102,27 +102,32 @@ def segments(ids) -> tuple:
     return ids if isinstance(ids, tuple) else (ids,)
 
 
+def id_counts(ids) -> np.ndarray:
+    """The bincount of a split's ids (its segments), counted in pieces: no int64 copy."""
+    out = np.zeros(0, dtype=np.int64)
+    for seg in segments(ids):
+        for i in range(0, len(seg), 1 << 22):
+            c = np.bincount(np.asarray(seg[i : i + (1 << 22)]).astype(np.intp))
+            if c.size > out.size:
+                c[: out.size] += out
+                out = c
+            else:
+                out[: c.size] += c
+    return out
+
+
 def unigram_cross_entropy(corpus: TextCorpus) -> float:
     """Cross-entropy (nats per token) of the validation split under the training split's
     token frequencies, add-one smoothed over the content ids (the 256 bytes, or the
-    tokenizer's; :func:`content_ids`).  Counted in pieces (no int64 copy of the corpus)."""
+    tokenizer's; :func:`content_ids`): - sum_id n_val(id) log p(id) / N_val."""
+    train, val = corpus.counts if corpus.counts is not None else (id_counts(corpus.train), id_counts(corpus.val))
     support = content_ids(corpus)
-    size = int(support.max()) + 1
-    counts = np.zeros(size, dtype=np.float64)
-    for seg in segments(corpus.train):
-        for i in range(0, len(seg), 1 << 22):
-            piece = np.asarray(seg[i : i + (1 << 22)]).astype(np.intp)
-            counts += np.bincount(piece[piece < size], minlength=size)[:size]
-    c = counts[support] + 1.0  # (|support|,)
-    logp = np.full(size, -np.inf)
-    logp[support] = np.log(c / c.sum())
-    total, n = 0.0, 0
-    for seg in segments(corpus.val):
-        for i in range(0, len(seg), 1 << 22):
-            piece = np.asarray(seg[i : i + (1 << 22)]).astype(np.intp)
-            total += float(np.sum(logp[np.minimum(piece, size - 1)]))
-            n += piece.size
-    return -total / n
+    size = max(int(support.max()) + 1, train.size, val.size)
+    tc, vc = np.zeros(size), np.zeros(size)
+    tc[: train.size], vc[: val.size] = train, val
+    c = tc[support] + 1.0  # (|support|,)
+    logp = np.log(c / c.sum())
+    return float(-np.dot(vc[support], logp) / vc.sum())
 
 
 # ---------------------------------------------------------------- batches
