@@ -113,7 +113,8 @@ def register(sub) -> None:
             "is refused or is non-deterministic (or, with --strict, is fragile), 2 on bad options."
         ),
     )
-    p.add_argument("target", metavar="TARGET", nargs="?", default=None, help="what to check")
+    p.add_argument("target", metavar="TARGET", nargs="?", default=None,
+                   help="what to check (none with --self-test)")
     p.add_argument("--protocol", choices=PROTOCOLS, default=None,
                    help="how to call a user's function (default: explicit for an object with "
                    "forward/backward, else its attngrad_protocol attribute, else sdpa)")
@@ -150,6 +151,10 @@ def register(sub) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     p.add_argument("--junit", metavar="FILE", default=None, help="also write JUnit XML to FILE")
     p.add_argument("--progress", action="store_true", help="one line per case on stderr")
+    p.add_argument("--self-test", dest="self_test", action="store_true",
+                   help="run the built-in negative controls (kernels with one planted bug each) and correct "
+                   "targets on the quick grid's cases: exit 0 only if every control fails with its expected "
+                   "hint and every correct target passes (--device applies to the torch ones)")
     p.set_defaults(func=run)
 
 
@@ -160,10 +165,20 @@ def _writable(path: str, option: str) -> None:
         raise ValueError(f"{option}: cannot write {path!r}: {exc.strerror}") from None
 
 
+def _have_torch() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torch") is not None
+
+
 def run(args) -> int:
+    if not _have_torch():  # the torch targets, the protocols' tensors and the lower precisions' baseline
+        raise ImportError("attngrad conform needs PyTorch: pip install 'attngrad[torch]'")
+    if args.self_test:
+        return _self_test(args)
     targets = ([args.target] if args.target else []) + list(args.matrix or [])
     if not targets:
-        raise ValueError("conform: give a TARGET (or --matrix TARGET ...)")
+        raise ValueError("conform: give a TARGET (or --matrix TARGET ..., or --self-test)")
     if args.matrix is None and args.output is not None:
         raise ValueError("-o/--output writes the --matrix page; give --matrix TARGET ...")
     cases = read_cases(args.cases) if args.cases is not None else None
@@ -192,6 +207,28 @@ def run(args) -> int:
         with open(args.junit, "w") as fh:
             fh.write(to_junit(report))
     print(json.dumps(report.to_json(), indent=2) if args.json else format_report(report))
+    return 0 if report.passed else 1
+
+
+def _self_test(args) -> int:
+    from ..conform.selftest import format_self_test, self_test
+    from ..conform.targets import check_device
+
+    given = [f for f, v in (("TARGET", args.target), ("--matrix", args.matrix), ("--repro", args.repro),
+                            ("--cases", args.cases), ("--junit", args.junit), ("-o", args.output)) if v]
+    if given:
+        raise ValueError(f"--self-test runs its own controls; it takes no {given[0]}")
+    check_device(args.device)
+
+    def progress(outcome):
+        print(f"[self-test] {outcome.name:<24} {outcome.verdict}", file=sys.stderr, flush=True)
+
+    report = self_test(device=args.device, progress=progress if args.progress else None)
+    if args.json:
+        print(json.dumps({"passed": report.passed, "device": report.device, "seconds": round(report.seconds, 1),
+                          "controls": [vars(o) for o in report.outcomes]}, indent=2))
+    else:
+        print(format_self_test(report))
     return 0 if report.passed else 1
 
 

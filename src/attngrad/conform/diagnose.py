@@ -140,6 +140,8 @@ def dense(q, k, v, dout, *, allowed, scale, add=None, softcap=0.0, sinks=None, r
     if delta_shift is not None:
         delta = delta + delta_shift
     ds = p * (dp - delta)
+    if fill is not None:  # a constant at the masked logits: no gradient reaches q, k there
+        ds = np.where(allowed, ds, 0.0)
     if t is not None and softcap_grad:
         ds = ds * (1 - t * t)
     dq = (ds @ kk) * scale
