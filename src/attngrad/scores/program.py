@@ -67,9 +67,18 @@ class Program:
         self.slots = {id(n): i for i, n in enumerate(self.order)}
         self.args = [tuple(self.slots[id(a)] for a in n.args) for n in self.order]
         self.out_slots = [self.slots[id(o)] for o in self.outputs]
+        # the last step that reads each value (outputs: never freed): a value whose last
+        # reader is an elementwise float step lends that step its buffer (out=)
+        self.last = [-1] * len(self.order)
+        for i, args in enumerate(self.args):
+            for j in args:
+                self.last[j] = i
+        for j in self.out_slots:
+            self.last[j] = len(self.order)
 
     def run(self, grid: Grid) -> Values:
         vals: list = [None] * len(self.order)
+        owned = [False] * len(self.order)  # a fresh array of this run, free to overwrite
         indices: dict = {}
         dt = grid.dtype
         with np.errstate(all="ignore"):  # (inf and NaN follow the maths, as in torch)
@@ -80,11 +89,50 @@ class Program:
                     indices[id(n)] = idx
                     v = grid.captured[n.data][idx]
                 else:
-                    v = _step(n, args, grid)
+                    fn = _ufunc(n, args) if n.kind == FLOAT else None
+                    buf = None if fn is None else self._spare(i, vals, owned, fn[1], dt)
+                    v = _step(n, args, grid) if fn is None else fn[0](*fn[1], out=buf) if buf is not None \
+                        else fn[0](*fn[1])
                 if n.kind == FLOAT and isinstance(v, np.ndarray) and v.dtype != dt:
                     v = v.astype(dt)
                 vals[i] = v
+                owned[i] = n.op not in ("score", "index", "const") and isinstance(v, np.ndarray) and not any(
+                    v is a for a in args)
         return Values([vals[s] for s in self.out_slots], indices)
+
+    def _spare(self, i: int, vals: list, owned: list, operands: list, dt):
+        """An argument's buffer that step ``i`` may write its result into: the argument's own
+        array, fresh in this run, read by no later step, of the result's shape and dtype."""
+        shape = np.broadcast_shapes(*(np.shape(x) for x in operands))
+        for j in self.args[i]:
+            x = vals[j]
+            if owned[j] and self.last[j] == i and x.dtype == dt and x.shape == shape and x.flags.writeable:
+                return x
+        return None
+
+
+def _ufunc(n: Node, a: list):
+    """(ufunc, operands) of a float step that is one NumPy ufunc call, else None."""
+    op = n.op
+    if op == "mul":
+        c = n.args[0]
+        if c.is_const and not isinstance(c.data, float):
+            d = divisor(c.data)
+            return (np.true_divide, [a[1], float(d)]) if d is not None else (np.multiply, [a[1], float(c.data)])
+        return np.multiply, a
+    if op in ("add", "sub", "div", "maximum", "minimum"):
+        return _BINARY[op], a
+    if op in ("tanh", "exp", "log", "sqrt", "sin", "cos", "log1p", "expm1", "sign"):
+        return _UNARY[op], a
+    if op == "neg":
+        return np.negative, a
+    if op == "abs":
+        return np.absolute, a
+    if op == "relu":
+        return np.maximum, [a[0], 0.0]
+    if op == "pow" and isinstance(a[0], np.ndarray):
+        return np.power, a
+    return None
 
 
 def _step(n: Node, a: list, grid: Grid):  # one case per operation
