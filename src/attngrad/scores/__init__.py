@@ -10,7 +10,7 @@ operation per node (:mod:`.program`).  The attention paths that take them are in
 in :mod:`.variants`.
 """
 
-from .derived import Derived, Read, derive
+from .derived import Derived, Read, derive, explain
 from .nodes import BOOL, FLOAT, INDEX_NAMES, INT, Node
 from .program import Grid, Program, Values, scatter_add
 from .render import Names, latex, text
@@ -28,6 +28,6 @@ from .trace import (
 
 __all__ = [
     "BOOL", "FLOAT", "INDEX_NAMES", "INT", "Capture", "Captured", "Derived", "Grid", "Names", "Node",
-    "Program", "Read", "ScoreModError", "Symbol", "Traced", "Values", "captured", "derive", "latex",
+    "Program", "Read", "ScoreModError", "Symbol", "Traced", "Values", "captured", "derive", "explain", "latex",
     "scatter_add", "signature", "text", "trace_mask", "trace_score", "without_values",
 ]

@@ -105,10 +105,22 @@ def coefficient(x: Node):
     return Fraction(1), x
 
 
+def _shift(a: Node, c, kind: str):
+    """a + c for a number c, folded into a's own number when a is y ± c1 (y + 8 − 1 = y + 7)."""
+    if a.op in ("add", "sub") and a.args[1].is_const and not isinstance(a.args[1].data, float | bool):
+        c1 = a.args[1].data if a.op == "add" else -a.args[1].data
+        return add(a.args[0], const(c1 + c, kind))
+    return None
+
+
 def add(a, b) -> Node:
     a, b, kind = _arith(a, b)
     if a.is_const and b.is_const:
         return _fold(operator.add, a, b, kind)
+    if b.is_const and not isinstance(b.data, float | bool):
+        folded = _shift(a, b.data, kind)
+        if folded is not None:
+            return folded
     if _is(a, 0):
         return b
     if _is(b, 0):
@@ -128,6 +140,10 @@ def sub(a, b) -> Node:
     a, b, kind = _arith(a, b)
     if a.is_const and b.is_const:
         return _fold(operator.sub, a, b, kind)
+    if b.is_const and not isinstance(b.data, float | bool):
+        folded = _shift(a, -b.data, kind)
+        if folded is not None:
+            return folded
     if _is(b, 0):
         return a
     if _is(a, 0):

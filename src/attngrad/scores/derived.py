@@ -60,3 +60,21 @@ def derive(traced: Traced) -> Derived:
         if n.op == "gather" and n.kind == FLOAT and traced.captured[n.data].requires_grad:
             reads.append(Read(n, n.data, derivative(f, n)))  # (FX3)
     return Derived(traced, derivative(f, leaf("score")), tuple(reads))  # (FX2)
+
+
+def explain(score_mod) -> str:
+    """The score function and its derived derivatives, one per line, as
+    ``attngrad derive --score-mod`` prints them (FX1-FX3)::
+
+        S = 30·tanh(score/30)
+        ∂S/∂score = 1 − tanh²(score/30)
+    """
+    from .render import Names, text
+    from .trace import trace_score
+
+    d = derive(trace_score(score_mod))
+    tr = d.traced
+    names = Names(tr.leaf_names, [c.name for c in tr.captured])
+    lines = [f"S = {text(tr.expr, names)}", f"∂S/∂{names.leaves['score']} = {text(d.d_score, names)}"]
+    lines += [f"∂S/∂{text(r.gather, names)} = {text(r.d, names)}" for r in d.reads]
+    return "\n".join(lines)
