@@ -165,16 +165,18 @@ def test_bpe_shards_carry_their_tokenizer_and_resume_bitwise(tmp_path, capsys):
     assert "tokens.json says tokenizer='bpe'" in capsys.readouterr().err
 
 
-def test_nanogpt_shards_need_the_model_whose_tokenizer_made_them(tmp_path, capsys):
+def test_nanogpt_shards_are_ids_of_no_text_tokenizer(tmp_path, capsys):
     raw = tmp_path / "raw"
     raw.mkdir()
     rng = np.random.default_rng(0)
     rng.integers(0, 250, 4000).astype(np.uint16).tofile(raw / "train.bin")  # nanoGPT's prepare.py
     rng.integers(0, 250, 400).astype(np.uint16).tofile(raw / "val.bin")
-    assert main(["train", "--data", str(raw), "--out", str(tmp_path / "o"), "--steps", "1"]) == 2
+    assert main(["train", "--data", str(raw), "--tokenizer", "bpe", "--out", str(tmp_path / "o"), "--steps", "1"]) == 2
     assert "without tokens.json" in capsys.readouterr().err
     corpus, meta, hi = S.load_shards(raw, context=8, val_fraction=0.1)
     assert meta is None and hi < 250 and len(corpus.train) == 4000 and isinstance(corpus.val, np.memmap)
+    wide, _, _ = S.load_shards(raw, context=8, val_fraction=0.1, vocab=100_000)  # past 65536 ids: uint32
+    assert wide.train.dtype == np.dtype("<u4") and len(wide.train) == 2000
 
 
 def test_llmc_shards_are_read_past_their_header(tmp_path):
@@ -207,3 +209,22 @@ def test_truncated_shard_is_refused_in_one_line(tmp_path, capsys):
     assert main(["train", "--data", str(out), "--out", str(tmp_path / "o"), "--steps", "1", "--context", "8"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "train.bin" in err and "truncated" in err
+
+
+def test_nanogpt_shards_alone_train_as_bare_ids(tmp_path, capsys):
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    rng = np.random.default_rng(1)
+    rng.integers(0, 300, 5000).astype(np.uint16).tofile(raw / "train.bin")
+    rng.integers(0, 300, 500).astype(np.uint16).tofile(raw / "val.bin")
+    run = tmp_path / "run"
+    assert main(["train", "--data", str(raw), "--model", "decoder", "--dim", "16", "--heads", "2", "--ffn", "24",
+                 "--layers", "1", "--context", "16", "--batch-size", "4", "--steps", "2", "--eval-every", "2",
+                 "--eval-size", "4", "--no-plots", "--quiet", "--out", str(run)]) == 0, capsys.readouterr().err
+    state = load_checkpoint(list_checkpoints(run)[-1])[1]
+    top = int(max(np.fromfile(raw / "train.bin", dtype="<u2").max(), np.fromfile(raw / "val.bin", dtype="<u2").max()))
+    assert state["config"]["tokenizer"] == "ids" and state["config"]["vocab_size"] == top + 1  # largest id + 1
+    capsys.readouterr()
+    assert main(["sample", "--run", str(run), "--prompt", "hi"]) == 2  # no tokenizer: no text to encode
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "without a tokenizer" in err[-1] and "Traceback" not in "".join(err)

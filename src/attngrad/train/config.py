@@ -46,7 +46,7 @@ class TrainConfig:
     data: str | None = None  # a UTF-8 file, a folder of .txt files or token shards: a language model (train/text.py)
     context: int = 64  # text: window length T (bytes)
     val_fraction: float = 0.1  # text: the held-out tail of the file
-    tokenizer: str = "bytes"  # text: "bytes", "bpe" or "pretrained" (the --init-from model's; train/tokenizer.py)
+    tokenizer: str = "bytes"  # text: "bytes", "bpe", "pretrained" (the --init-from model's) or "ids" (train/tokenizer.py)
     vocab_size: int | None = None  # text, bpe: the vocabulary (None: 512); pretrained: the tokenizer's size
     grad_accum: int = 1  # micro-batches of batch_size per update (their token-weighted mean gradient)
     init_from: str | None = None  # a Hugging Face GPT-2/Llama folder or a run to start from (train/pretrained.py)

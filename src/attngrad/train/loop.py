@@ -242,7 +242,7 @@ def train(cfg: TrainConfig, out, *, resume=None, progress=True, plots=True, hook
                    "--layers, --batch-size, --eval-size or shorter sequences")
     prepare_out(out, fresh=resume is None)
     extra = {}
-    if text is not None and text.tokenizer.kind != "bytes":
+    if text is not None and text.tokenizer.kind in ("bpe", "pretrained"):
         extra["tokenizer_sha256"] = text.tokenizer.sha256
         if text.tokenizer.kind == "pretrained" and text.tokenizer.eod is not None:
             extra["eod"] = text.tokenizer.eod

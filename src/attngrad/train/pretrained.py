@@ -157,12 +157,21 @@ def data_options(given: dict) -> dict:
         return given
     p = Path(data)
     meta = S.read_meta(p.parent if p.is_file() else p)
-    if meta is None:
-        if given.get("init_from") is None or given.get("tokenizer") != "pretrained":
-            raise ValueError(f"--data {data}: token shards without tokens.json name no tokenizer; train "
-                             "--init-from the model whose tokenizer.json made them, or write them with "
-                             "attngrad tokenize")
-        return given
+    if meta is None:  # nanoGPT's or llm.c's shards: the --init-from model's ids, or bare ids
+        if given.get("init_from") is not None:
+            if given.get("tokenizer") != "pretrained":
+                raise ValueError(f"--data {data}: token shards without tokens.json are ids of the --init-from "
+                                 "model's tokenizer.json, which it does not have (write them with attngrad "
+                                 "tokenize)")
+            return given
+        if given.get("tokenizer") not in (None, "ids"):
+            raise ValueError(f"--data {data}: token shards without tokens.json name no tokenizer; "
+                             f"--tokenizer {given['tokenizer']} cannot apply (they are trained on as bare ids)")
+        vocab = given.get("vocab_size")
+        if vocab is None:  # their largest id + 1, read once through the files
+            _, _, hi = S.load_shards(p, 1, given.get("val_fraction", 0.1))
+            vocab = hi + 1
+        return {**given, "tokenizer": "ids", "vocab_size": vocab}
     fixed = {"tokenizer": meta["tokenizer"], "vocab_size": None if meta["tokenizer"] == "bytes" else meta["vocab"]}
     for k, v in fixed.items():
         if given.get(k) not in (None, v):
@@ -329,7 +338,7 @@ def export_run(run, out, *, checkpoint=None, dtype: str = "float32") -> Path:
     special = None
     if base is None:  # attngrad's own ids: the toy tasks', the bytes', the BPE's
         special = {"bos_token_id": BOS, "eos_token_id": EOS, "pad_token_id": PAD}
-        if cfg.data is not None and cfg.tokenizer == "pretrained":  # token shards of another model's
+        if cfg.data is not None and cfg.tokenizer in ("pretrained", "ids"):  # another model's ids, or bare ids
             eod = load_checkpoint(path)[1].get("eod")
             special = {"eos_token_id": eod} if eod is not None else {}
     positions = cfg.context if cfg.data is not None and cfg.model == "llama" else None

@@ -13,8 +13,9 @@ when complete.
 Reading (:func:`load_shards`) maps the files read-only: ``train`` and ``val`` are
 ``np.memmap`` views, never loaded whole.  Folders without ``tokens.json`` are read as
 nanoGPT's (``*train*.bin`` / ``*val*.bin``, uint16) or llm.c's (a 256-int32 header, magic
-20240520); their tokenizer is then the ``--init-from`` model's.  A single ``.bin`` file is
-split as a text file is (its last ``val_fraction`` held out).
+20240520); their tokenizer is then the ``--init-from`` model's, or none (``tokenizer="ids"``:
+bare ids).  A single ``.bin`` file is split as a text file is (its last ``val_fraction``
+held out).
 """
 
 from __future__ import annotations
@@ -210,15 +211,17 @@ def _sum(counts: list) -> np.ndarray:
     return out
 
 
-def load_shards(path, context: int, val_fraction: float) -> tuple:
+def load_shards(path, context: int, val_fraction: float, vocab: int | None = None) -> tuple:
     """(TextCorpus without its tokenizer, tokens.json or None, the largest id) of shard
     ``path``: train and val memory-mapped (a tuple of segments when there are several
-    files), their id counts (``TextCorpus.counts``) read once through the files."""
+    files), their id counts (``TextCorpus.counts``) read once through the files.  Files
+    without tokens.json hold uint16 ids, or uint32 for a ``vocab`` past 65536 ids (the rule
+    nanoGPT's prepare.py and attngrad tokenize follow)."""
     p = Path(path)
     meta = read_meta(p.parent if p.is_file() else p)
     sha = hashlib.sha256()
     if p.is_file():  # one .bin: its tail held out
-        dtype = np.dtype(meta["dtype"]) if meta else np.dtype(np.uint16)
+        dtype = np.dtype(meta["dtype"]) if meta else _foreign(vocab)
         whole, off = _map(p, dtype)
         n_val = int(np.ceil(len(whole) * val_fraction))
         train, val = whole[: len(whole) - n_val], whole[len(whole) - n_val :]
@@ -235,8 +238,9 @@ def load_shards(path, context: int, val_fraction: float) -> tuple:
         tf, vf = sorted(p.glob("*train*.bin")), sorted(p.glob("*val*.bin"))
         if not vf:
             raise ValueError(f"--data: {p} has {len(tf)} *train*.bin files but no *val*.bin (the held-out split)")
-        maps = [(f, *_map(f, np.uint16)) for f in [*tf, *vf]]
-        cs = [count_ids(f, np.uint16, o, 0, len(m)) for f, m, o in maps]
+        dtype = _foreign(vocab)
+        maps = [(f, *_map(f, dtype)) for f in [*tf, *vf]]
+        cs = [count_ids(f, dtype, o, 0, len(m)) for f, m, o in maps]
         counts = (_sum(cs[: len(tf)]), _sum(cs[len(tf) :]))
         train, val = tuple(m for _, m, _ in maps[: len(tf)]), tuple(m for _, m, _ in maps[len(tf) :])
         train, val = (train[0] if len(train) == 1 else train), (val[0] if len(val) == 1 else val)
@@ -249,6 +253,11 @@ def load_shards(path, context: int, val_fraction: float) -> tuple:
     hi = max(counts[0].size, counts[1].size) - 1
     return TextCorpus(str(p), train, val, sha.hexdigest(), meta.get("chars") if meta else None, None,
                       val_bytes, eod, counts), meta, hi
+
+
+def _foreign(vocab: int | None) -> np.dtype:
+    """The id dtype of shards without tokens.json: uint16, or uint32 past 65536 ids."""
+    return id_dtype(vocab) if vocab is not None else np.dtype(np.uint16)
 
 
 def _identify(sha, files) -> None:

@@ -189,8 +189,9 @@ def eval_windows(corpus: TextCorpus, context: int, n: int) -> list:
 
 def ignore_index(cfg) -> int:
     """The target id the loss skips: PAD (0) for the toy tasks and the byte and BPE ids,
-    which never hold it; none (-1) for a pretrained tokenizer, whose id 0 is a token."""
-    return -1 if cfg.data is not None and cfg.tokenizer == "pretrained" else PAD
+    which never hold it; none (-1) for a pretrained tokenizer (or bare token ids), whose id
+    0 is a token."""
+    return -1 if cfg.data is not None and cfg.tokenizer in ("pretrained", "ids") else PAD
 
 
 # ---------------------------------------------------------------- evaluation
@@ -346,7 +347,7 @@ class TextTask:
         if cfg.tokenizer != "bytes":
             K.require_tokenizers()
         if S.is_shards(cfg.data):
-            corpus, meta, hi = S.load_shards(cfg.data, cfg.context, cfg.val_fraction)
+            corpus, meta, hi = S.load_shards(cfg.data, cfg.context, cfg.val_fraction, vocab=vocab)
             tok = tokenizer or _shard_tokenizer(cfg, meta, vocab)
             if hi >= vocab:
                 raise ValueError(f"--data {cfg.data}: holds id {hi}, outside the model's vocabulary of {vocab}")
@@ -414,10 +415,12 @@ def _shard_tokenizer(cfg, meta, vocab: int):
 
     folder = Path(cfg.data).parent if Path(cfg.data).is_file() else Path(cfg.data)
     src = source_tokenizer_file(cfg)
-    if meta is None:
+    if meta is None:  # nanoGPT's, llm.c's: the --init-from model's ids, or bare ids
+        if cfg.tokenizer == "ids":
+            return K.IdsTokenizer(vocab)
         if cfg.tokenizer != "pretrained" or src is None:
             raise ValueError(f"--data {cfg.data}: token shards without tokens.json name no tokenizer; train "
-                             "--init-from the model whose tokenizer.json made them")
+                             "--init-from the model whose tokenizer.json made them, or with tokenizer='ids'")
         return K.load_pretrained_tokenizer(src, vocab, eod=source_eod(cfg))
     kind = meta.get("tokenizer")
     if kind != cfg.tokenizer:

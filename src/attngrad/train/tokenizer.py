@@ -31,7 +31,7 @@ import numpy as np
 from .data import EOS, N_SPECIAL
 
 TOKENIZERS = ("bytes", "bpe")  # the choices of --tokenizer
-KINDS = (*TOKENIZERS, "pretrained")  # and the --init-from model's own (or the token shards')
+KINDS = (*TOKENIZERS, "pretrained", "ids")  # and the --init-from model's own; "ids": token shards alone
 TOKENIZER_FILE = "tokenizer.json"
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<sep>")  # ids 0-3, as data.PAD BOS EOS SEP
 BYTE_VOCAB = N_SPECIAL + 256
@@ -45,11 +45,11 @@ def check_tokenizer_options(tokenizer, vocab_size, data) -> None:
     """Validate the tokenizer options of a TrainConfig."""
     if tokenizer not in KINDS:
         raise ValueError(f"tokenizer must be one of {list(KINDS)}; got {tokenizer!r}")
-    if tokenizer == "pretrained":
+    if tokenizer in ("pretrained", "ids"):
         if data is None:
-            raise ValueError("tokenizer='pretrained' needs --data (the toy tasks have their own symbols)")
+            raise ValueError(f"tokenizer={tokenizer!r} needs --data (the toy tasks have their own symbols)")
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
-            raise ValueError(f"tokenizer='pretrained' needs vocab_size, the tokenizer's size; got {vocab_size!r}")
+            raise ValueError(f"tokenizer={tokenizer!r} needs vocab_size, its number of ids; got {vocab_size!r}")
         return
     if tokenizer == "bytes":
         if vocab_size is not None:
@@ -216,6 +216,29 @@ class PretrainedTokenizer(BPETokenizer):
         return out
 
 
+class IdsTokenizer:
+    """No tokenizer: token shards written elsewhere (nanoGPT's train.bin) trained on as ids
+    ``0 .. vocab - 1``.  Nothing encodes text; ids read as ``<id>``."""
+
+    kind = "ids"
+    lo = 0
+    eod = None
+    sha256 = None
+
+    def __init__(self, vocab: int):
+        self.vocab = self.used = int(vocab)
+
+    def encode(self, text: str) -> np.ndarray:
+        raise ValueError("this run trained on token shards without a tokenizer: no text can be encoded "
+                         "(tokenize the text with attngrad tokenize, which keeps the tokenizer)")
+
+    def decode(self, ids) -> str:
+        return " ".join(f"<{int(i)}>" for i in np.asarray(ids).reshape(-1))
+
+    def labels(self, ids) -> list:
+        return [f"<{int(i)}>" for i in np.asarray(ids).reshape(-1)]
+
+
 def read_tokenizer_file(path) -> tuple:
     """(tokenizers.Tokenizer, its JSON text) of ``path`` (ValueError naming the file)."""
     path = Path(path)
@@ -256,6 +279,8 @@ def tokenizer_for(cfg, folder=None, sha256=None, eod=None):
     kind = getattr(cfg, "tokenizer", "bytes")
     if kind == "bytes":
         return ByteTokenizer()
+    if kind == "ids":
+        return IdsTokenizer(cfg.vocab_size)
     if kind == "pretrained":
         return load_pretrained_tokenizer(Path(folder) / TOKENIZER_FILE, cfg.model_config.vocab, sha256, eod)
     return load_tokenizer(Path(folder) / TOKENIZER_FILE, cfg.vocab_size, sha256)
