@@ -68,6 +68,19 @@ def test_init_from_encodes_with_the_source_tokenizer(tmp_path, capsys):
     assert np.array_equal(task.corpus.train, tok.encode(raw[:split].decode()).ids)  # the source's ids, as they are
     assert np.array_equal(task.corpus.val, tok.encode(raw[split:].decode()).ids)
     assert task.tokenizer.lo == 0  # id 0 is a token here (GPT-2s "!"), not padding
+    capsys.readouterr()
+    assert main(["sample", "--run", str(run), "--prompt", "the lamp", "--tokens", "4", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.startswith("the lamp")  # the source's tokenizer, decoding too
+
+
+def test_an_explicit_tokenizer_is_the_runs_own_and_export_says_so(tmp_path, capsys):
+    src, _ = _source(tmp_path)
+    run, out = tmp_path / "run", tmp_path / "hf"
+    assert main(["train", "--init-from", str(src), "--data", str(_data(tmp_path)), "--tokenizer", "bytes",
+                 "--context", "16", "--steps", "1", "--out", str(run), *SMALL]) == 0
+    assert "ids its embeddings never saw" in capsys.readouterr().out
+    assert main(["export", "--run", str(run), "-o", str(out)]) == 0
+    assert not (out / "tokenizer.json").exists()  # the source's tokenizer did not make the run's ids
 
 
 def test_a_source_without_tokenizer_is_refused_unless_asked(tmp_path, capsys):

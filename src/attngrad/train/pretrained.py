@@ -41,6 +41,7 @@ from .runfolder import expected_arrays, newest_good_hint, stored_config
 
 TOKENIZER_FILE = "tokenizer.json"
 SOURCE_DIR = "source"  # the run folder's copy of the --init-from model's config and tokenizer files
+_TOKENIZER_FILES = (TOKENIZER_FILE, "tokenizer_config.json", "special_tokens_map.json")
 # TrainConfig options the source fixes (its model_spec holds the rest)
 FIXED = ("model", "dim", "heads", "ffn", "layers", "kv_heads", "tie_embeddings", "qk_norm", "activation")
 _NOT_SPEC = ("dtype", "pad_id", "dropout")  # these follow the new run's options
@@ -331,6 +332,8 @@ def export_run(run, out, *, checkpoint=None, dtype: str = "float32") -> Path:
         raise ValueError(f"{path}: a {cfg.model!r} run; export writes GPT-2 and Llama-family models "
                          "(train with --model gpt2 or --model llama, or --init-from such a model)")
     extra = HF.source_files(src) if base is not None else []
+    if cfg.data is not None and cfg.tokenizer != "pretrained":  # trained on ids of its own: not the source's
+        extra = [f for f in extra if f.name not in _TOKENIZER_FILES]
     tok = run / TOKENIZER_FILE
     if cfg.data is not None and cfg.tokenizer != "bytes" and tok.is_file() and TOKENIZER_FILE not in {
             f.name for f in extra}:
