@@ -308,11 +308,11 @@ def load_run(run, checkpoint=None):
     from .config import TrainConfig
 
     path = Path(checkpoint) if checkpoint is not None else _newest(Path(run), "--run")
+    cfg = TrainConfig.from_flat(stored_config(path, "--checkpoint"))  # verified: the arrays' checksums too
+    init = MODELS[cfg.model].init(cfg.model_config, 0)
     try:
-        cfg = TrainConfig.from_flat(stored_config(path))
-        init = MODELS[cfg.model].init(cfg.model_config, 0)
         arrays, state = load_checkpoint(path, expected=expected_arrays(init))
-    except CheckpointError as exc:
+    except CheckpointError as exc:  # whole, but not this model's
         raise CheckpointError(f"{exc}{newest_good_hint(path, '--checkpoint')}") from None
     params = {k: arrays[f"param/{k}"] for k in init}
     return cfg, params, int(state["step"]), path

@@ -96,20 +96,20 @@ def load_for_resume(path: Path, cfg: TrainConfig):
     return params, opt, int(state["step"]), state["data"], float(state.get("elapsed", 0.0)), state
 
 
-def stored_state(path) -> dict:
+def stored_state(path, option: str = "--resume") -> dict:
     """The JSON state of a (verified) checkpoint; a refused checkpoint names the newest
-    older one that verifies."""
+    older one that verifies (and ``option``, how to use it)."""
     try:
         return load_checkpoint(path)[1]
     except CheckpointError as exc:
-        raise CheckpointError(f"{exc}{newest_good_hint(path)}") from None
+        raise CheckpointError(f"{exc}{newest_good_hint(path, option)}") from None
 
 
-def stored_config(path) -> dict:
+def stored_config(path, option: str = "--resume") -> dict:
     """The flat TrainConfig options (:meth:`TrainConfig.to_flat`) stored in a (verified)
     checkpoint; options newer than the checkpoint take their defaults.  A refused checkpoint
     names the newest older one that verifies."""
-    return _complete(stored_state(path)["config"])
+    return _complete(stored_state(path, option)["config"])
 
 
 def _complete(stored: dict) -> dict:
