@@ -48,8 +48,12 @@ class Captured:
             return self.array[index]
         return Symbol(self.tracer.gather(self, index), self.tracer)
 
+    @property
+    def shape(self) -> tuple:
+        return tuple(np.shape(self.array))
+
     def __repr__(self):
-        return f"captured({self.name!r}, shape={tuple(np.shape(self.array))})"
+        return f"captured({self.name!r}, shape={self.shape})"
 
 
 def captured(name: str, array) -> Captured:
@@ -177,21 +181,46 @@ class Tracer:
                             f"({x!r:.60}); use numbers, the arguments and captured tensors")
 
 
+_DEPTH = 3  # functions reached through functions (a composed score function's parts), at most
+_LIBRARIES = ("torch", "numpy", "scipy", "jax", "functools", "math", "operator", "builtins", "typing")
+
+
+def _user_function(value) -> bool:
+    """A Python function of the user's (or of attngrad.scores.variants), not a library's:
+    one whose closure and globals are searched for captured tensors too."""
+    if isinstance(value, types.MethodType):
+        value = value.__func__
+    return isinstance(value, types.FunctionType) and (value.__module__ or "").split(".")[0] not in _LIBRARIES
+
+
 def _names(fn) -> dict:
-    """id(object) -> (name, path) for what ``fn`` can reach by name (closure variables,
-    globals it reads, ``self`` of a bound method), and one level into dicts, lists, tuples,
-    objects and torch Modules there.  A path fetches the object again from ``fn``
-    (:func:`fetch`): ("closure", i | "global", name | "self", ...), then ("attr", name) or
-    ("item", key) steps."""
+    """id(object) -> (name, path) for what ``fn`` can reach by name: its closure variables,
+    the globals it reads, ``self`` of a bound method, one level into dicts, lists, tuples,
+    objects and torch Modules there, and the same for the functions it reaches (a composed
+    score function's parts), breadth first.  A path is a tuple of steps (:func:`fetch`)."""
     out: dict = {}
-    for var, value, path in _reachable(fn):
-        out.setdefault(id(value), (var, path))
-        for sub, item, step in _members(value):
-            out.setdefault(id(item), (f"{var}{sub}", (*path, *step)))
+    todo, seen = [(fn, ())], set()
+    for _ in range(_DEPTH):
+        nxt = []
+        for f, base in todo:
+            if id(f) in seen:
+                continue
+            seen.add(id(f))
+            for var, value, step in _reachable(f):
+                path = (*base, step)
+                out.setdefault(id(value), (var, path))
+                items = [(value, path)]
+                for sub, item, sub_step in _members(value):
+                    out.setdefault(id(item), (f"{var}{sub}", (*path, *sub_step)))
+                    items.append((item, (*path, *sub_step)))
+                nxt += [(x, p) for x, p in items if _user_function(x)]
+        todo = nxt
     return out
 
 
 def _reachable(fn) -> list:
+    """(variable, value, step) for what ``fn`` reads by name: ("self", None) for a bound
+    method's object, ("closure", i) for a free variable, ("global", name)."""
     found = []
     if isinstance(fn, types.MethodType):
         found.append(("self", fn.__self__, ("self", None)))
@@ -230,16 +259,19 @@ def _members(value):
 
 def fetch(fn, path: tuple):
     """The object at ``path`` (:func:`_names`) seen from ``fn``: a captured tensor read
-    again, e.g. inside a compiled graph."""
-    where, key, *steps = path
-    if where == "self":
-        obj = fn.__self__
-    elif where == "closure":
-        obj = (fn.__func__ if isinstance(fn, types.MethodType) else fn).__closure__[key].cell_contents
-    else:
-        obj = (fn.__func__ if isinstance(fn, types.MethodType) else fn).__globals__[key]
-    for step, name in steps:
-        obj = getattr(obj, name) if step == "attr" else obj[name]
+    again, e.g. inside a compiled graph.  Steps: ("self", None), ("closure", i),
+    ("global", name) on a function; ("attr", name), ("item", key) on an object."""
+    obj = fn
+    for step, key in path:
+        if step == "self":
+            obj = obj.__self__
+        elif step in ("closure", "global"):
+            f = obj.__func__ if isinstance(obj, types.MethodType) else obj
+            obj = f.__closure__[key].cell_contents if step == "closure" else f.__globals__[key]
+        elif step == "attr":
+            obj = getattr(obj, key)
+        else:
+            obj = obj[key]
     return obj
 
 
@@ -247,11 +279,12 @@ def _is_array(v) -> bool:
     return isinstance(v, np.ndarray) or _is_torch(v)
 
 
-def _wrap_arrays(fn, tracer: Tracer):
+def _wrap_arrays(fn, tracer: Tracer, depth: int = 0):
     """A copy of ``fn`` whose closure cells and globals holding NumPy arrays (or dicts,
-    lists and tuples of them) hold :class:`Captured` wrappers instead."""
+    lists and tuples of them, or functions of the user's that hold them) hold
+    :class:`Captured` wrappers instead."""
     code = getattr(fn, "__code__", None)
-    if code is None or not isinstance(fn, types.FunctionType):
+    if code is None or not isinstance(fn, types.FunctionType) or depth >= _DEPTH:
         return fn
     names = tracer.names
 
@@ -260,10 +293,14 @@ def _wrap_arrays(fn, tracer: Tracer):
             return Captured(value.name, value.array, tracer)
         if isinstance(value, np.ndarray):
             return Captured(names.get(id(value), ("captured", None))[0], value, tracer)
-        if isinstance(value, dict) and any(isinstance(v, np.ndarray | Captured) for v in value.values()):
-            return {k: swap(v) for k, v in value.items()}
-        if isinstance(value, list | tuple) and any(isinstance(v, np.ndarray | Captured) for v in value):
-            return type(value)(swap(v) for v in value)
+        if _user_function(value) and not isinstance(value, types.MethodType):
+            return _wrap_arrays(value, tracer, depth + 1)
+        if isinstance(value, dict):
+            new = {k: swap(v) for k, v in value.items()}
+            return value if all(new[k] is v for k, v in value.items()) else new
+        if isinstance(value, list | tuple):
+            new = [swap(v) for v in value]
+            return value if all(a is b for a, b in zip(new, value, strict=True)) else type(value)(new)
         return value
 
     cells = []
@@ -272,10 +309,11 @@ def _wrap_arrays(fn, tracer: Tracer):
             cells.append(types.CellType(swap(cell.cell_contents)))
         except ValueError:
             cells.append(cell)
-    g = dict(fn.__globals__)
-    for var in code.co_names:
-        if var in g:
-            g[var] = swap(g[var])
+    g = fn.__globals__
+    changed = {var: swap(g[var]) for var in code.co_names if var in g and var != fn.__name__}
+    changed = {var: val for var, val in changed.items() if val is not g[var]}
+    if changed:
+        g = {**g, **changed}
     new = types.FunctionType(code, g, fn.__name__, fn.__defaults__, tuple(cells) or None)
     new.__kwdefaults__ = fn.__kwdefaults__
     return new
