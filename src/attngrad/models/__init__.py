@@ -1,5 +1,5 @@
 """Models built from attngrad.layers: encoder-decoder, decoder-only, Llama-style and GPT-2
-Transformers, and Hugging Face GPT-2 / Llama directories read and written
+Transformers, and Hugging Face GPT-2, Llama, Qwen2, Qwen3 and Mistral directories read and written
 (:func:`load_pretrained`, :func:`save_pretrained`)."""
 
 from . import decoder_only, encdec, gpt2, llama
