@@ -12,6 +12,7 @@ registry.
 from __future__ import annotations
 
 from .cases import FEATURES
+from .flex_protocol import flex_protocol
 from .packing import flash_varlen_runner
 from .reference import explicit_runner
 from .result import Protocol
@@ -117,7 +118,7 @@ EXPLICIT = Protocol(
 )
 
 # The registry: a new protocol is one more entry here (its module defines the Protocol).
-REGISTRY = {p.name: p for p in (SDPA, FLASH, FLASH_VARLEN, EXPLICIT)}
+REGISTRY = {p.name: p for p in (SDPA, FLASH, FLASH_VARLEN, EXPLICIT, flex_protocol(BASE, MASKING))}
 
 
 def protocol(name: str) -> Protocol:

@@ -175,3 +175,6 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         result.append(row_max.amax(dim=-1).to(query.dtype) if Lq else torch.full((B, H), float("-inf"),
                                                                                   dtype=query.dtype))
     return result[0] if len(result) == 1 else tuple(result)
+
+
+flex_attention.attngrad_protocol = "flex"  # how `attngrad conform` calls it (conform/flex_protocol.py)
