@@ -32,7 +32,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ..runtime._fused_kernels import _FM, _jit, _rowmax, _sum8, exp_shift_sum, narrow
+from ..runtime._fused_kernels import _FM, _jit_nrt, _rowmax, _sum8, exp_shift_sum, narrow
 from ..runtime._vec16 import add16, fma16, fmav16, load16, splat16, store16, unit_row
 
 W = 16  # lanes
@@ -296,7 +296,7 @@ def _dsoftmax_row(sr, a, e, prow, dsr, dlse):
         ds[j] = narrow(dpr[j], dpr[j] - delta) * pr[j]
 
 
-@_jit
+@_jit_nrt
 def dense_fwd_span(q, k, v, p, o, scale, lo, hi, u0, u1):
     """Heads u0 .. u1 - 1 of the flattened (B, Hkv): P (B, Hkv, G*Lq, Lk) written whole
     (C-contiguous; row r is query row r % Lq of query head h G + r // Lq) and O (B, H, Lq,
@@ -340,7 +340,7 @@ def dense_fwd_span(q, k, v, p, o, scale, lo, hi, u0, u1):
                 _store_row1(unit_row(ob[i]), ph[r], vh, a, e, one)
 
 
-@_jit
+@_jit_nrt
 def dense_bwd_span(q, k, v, p, do, dq, dk, dv, dl, scale, lo, hi, u0, u1):
     """Heads u0 .. u1 - 1: dQ (B, H, Lq, D), dK (B, Hkv, Lk, D), dV (B, Hkv, Lk, Dv) of
     those heads written whole, from P (C-contiguous, as :func:`dense_fwd_span` lays it

@@ -20,7 +20,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ._fused_kernels import _jit
+from ._fused_kernels import _jit_nrt as _jit  # (numba.carray views of C need numba's runtime)
 from ._tiled_kernels import _NO_TRANS, _TRANS, _gemm_call
 from ._vec16 import relu16
 

@@ -28,7 +28,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from ._fused_kernels import _jit, dsoftmax_row, exp_row, narrow, online_row, row_dots
+from ._fused_kernels import _jit, _tail8, dsoftmax_row, exp_row, narrow, online_row, row_dots
 
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112  # CBLAS enums
 
@@ -294,8 +294,11 @@ def bwd_head(blas, q, k, v, do, lse, delta, dq, dk, dv, flat,  # BwdArrays
                         row[j] = row[j] * (narrow(row[j], 1.0) - trow[j] * trow[j])
             gemm(blas, ds, True, q[r0:r1], False, dk[c0:c1], scale, 1.0)  # (A9) dK += scale dS0^T Q
             gemm(blas, ds, False, k[c0:c1], False, dq[r0:r1], 1.0, 1.0)  # (A8) dQ += dS0 K
-    dscale = 0.0  # (V7) sum(Q * dS0 K) over the rows that attend a key (the others' dQ is
-    part = np.zeros(8)  # 0 and their Q may hold anything: RELIABILITY 4), float64 in 8 partials
+    # (V7) dscale = sum(Q * dS0 K) over the rows that attend a key (the others' dQ is 0 and
+    # their Q may hold anything: RELIABILITY 4), float64 in 8 partials (partial p: the
+    # columns d = p mod 8, row by row)
+    p0 = p1 = p2 = p3 = p4 = p5 = p6 = p7 = 0.0
+    D8 = D - D % 8
     finite = True  # delta finite in the rows that attend a key
     for i in range(Lq):
         if lo[i] > hi[i]:
@@ -303,11 +306,20 @@ def bwd_head(blas, q, k, v, do, lse, delta, dq, dk, dv, flat,  # BwdArrays
                 dq[i, d] = dq[i, d] * scale  # (A8)
             continue
         finite &= abs(delta[i]) < np.inf
+        qi, dqi = q[i], dq[i]
+        for d in range(0, D8, 8):
+            p0 += np.float64(qi[d]) * np.float64(dqi[d])
+            p1 += np.float64(qi[d + 1]) * np.float64(dqi[d + 1])
+            p2 += np.float64(qi[d + 2]) * np.float64(dqi[d + 2])
+            p3 += np.float64(qi[d + 3]) * np.float64(dqi[d + 3])
+            p4 += np.float64(qi[d + 4]) * np.float64(dqi[d + 4])
+            p5 += np.float64(qi[d + 5]) * np.float64(dqi[d + 5])
+            p6 += np.float64(qi[d + 6]) * np.float64(dqi[d + 6])
+            p7 += np.float64(qi[d + 7]) * np.float64(dqi[d + 7])
+        p0, p1, p2, p3, p4, p5, p6, p7 = _tail8(qi, dqi, D8, D, p0, p1, p2, p3, p4, p5, p6, p7)
         for d in range(D):
-            part[d % 8] += np.float64(q[i, d]) * np.float64(dq[i, d])
             dq[i, d] = dq[i, d] * scale  # (A8)
-    for t in range(8):
-        dscale += part[t]
+    dscale = 0.0 + p0 + p1 + p2 + p3 + p4 + p5 + p6 + p7  # in order, as the partials' sum always was
     return dslope, dscale, 0.0 if finite else np.nan
 
 
