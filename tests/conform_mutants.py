@@ -283,7 +283,7 @@ class TorchKernel:
 
         dt = q.dtype
         wt = torch.float64 if dt == np.float64 else torch.float32
-        leaf = {n: torch.from_numpy(np.asarray(a, np.float64)).to(wt).requires_grad_()
+        leaf = {n: torch.from_numpy(np.ascontiguousarray(a, np.float64)).to(wt).requires_grad_()
                 for n, a in (("q", q), ("k", k), ("v", v))}
         if sinks is not None:
             leaf["sinks"] = torch.from_numpy(np.asarray(sinks, np.float64)).to(wt).requires_grad_()

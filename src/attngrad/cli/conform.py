@@ -6,8 +6,9 @@ import argparse
 import json
 import sys
 
-from ..conform import BUILTINS, FEATURES, PROTOCOLS, conform, format_report, reproduce, to_junit
+from ..conform import BUILTINS, FEATURES, conform, format_report, reproduce, to_junit
 from ..conform.grid import DTYPES, GRIDS
+from ..conform.protocols import REGISTRY
 from ..conform.targets import CUDA_BUILTINS
 
 
@@ -75,10 +76,11 @@ def _nonneg(text: str) -> float:
     return value
 
 
-def _list(kind: str, known=None):
+def _list(kind: str, known=None, signs: bool = False):
     def parse(text: str) -> tuple:
         items = tuple(x.strip() for x in text.split(",") if x.strip())
-        bad = [x for x in items if known is not None and x not in known and x != "all"]
+        names = [x[1:].strip() if signs and x[0] in "+-" else x for x in items]
+        bad = [x for x in names if known is not None and x not in known and x != "all"]
         if not items or bad:
             raise argparse.ArgumentTypeError(
                 f"expected a comma list of {kind}" + (f" ({', '.join(known)})" if known else "")
@@ -115,12 +117,13 @@ def register(sub) -> None:
     )
     p.add_argument("target", metavar="TARGET", nargs="?", default=None,
                    help="what to check (none with --self-test)")
-    p.add_argument("--protocol", choices=PROTOCOLS, default=None,
+    p.add_argument("--protocol", choices=tuple(REGISTRY), default=None,
                    help="how to call a user's function (default: explicit for an object with "
                    "forward/backward, else its attngrad_protocol attribute, else sdpa)")
-    p.add_argument("--features", type=_list("features", (*FEATURES, "all")), default=None,
+    p.add_argument("--features", type=_list("features", (*FEATURES, "all"), signs=True), default=None,
                    metavar="LIST", help="what the target supports, replacing what it declares "
-                   f"(comma list of {', '.join(FEATURES)}, or all)")
+                   f"(comma list of {', '.join(FEATURES)}, or all); +NAME adds to what it declares "
+                   "(--features +lse), -NAME takes away (write --features=-NAME)")
     p.add_argument("--grid", choices=GRIDS, default="quick", help="quick (about a minute) or full (default quick)")
     p.add_argument("--dtypes", type=_list("dtypes", DTYPES), default=None, metavar="LIST",
                    help=f"run only these dtypes (comma list of {', '.join(DTYPES)})")

@@ -144,7 +144,7 @@ def layout_cases(full: bool) -> list[GridCase]:
         GridCase("scale", lq=rag[0], lk=rag[1], d=48, dv=32, scale="none"),
         GridCase("masked_logits", b=2, lq=rag[0], lk=rag[1], mask="padding", acts="huge_logits"),
         GridCase("masked_logits", b=2, h=4, hkv=2, lq=rag[0], lk=rag[1], mask="random", acts="huge_logits"),
-        GridCase("masked_logits", lq=rag[1], lk=rag[0], causal="bottom_right", acts="huge_logits"),
+        GridCase("masked_logits", lq=rag[0], lk=rag[1], causal="bottom_right", acts="huge_logits"),
         GridCase("massive", b=2, h=4, hkv=2, lq=113, lk=203, d=64, dv=64, causal="bottom_right", acts="massive"),
         *(GridCase("massive", h=4, hkv=2, lq=384, lk=512, d=64, dv=64, causal="bottom_right", acts="massive",
                    dtype=dt) for dt in ("float16", "bfloat16")),
@@ -166,6 +166,7 @@ def layout_cases(full: bool) -> list[GridCase]:
             GridCase("scale", h=4, hkv=1, lq=64, lk=64, d=80, dv=80, scale="none", causal="top_left"),
             GridCase("masked_logits", b=2, h=4, hkv=2, lq=113, lk=203, mask="fully_masked", acts="huge_logits"),
             GridCase("masked_logits", lq=64, lk=64, window="8_4", acts="huge_logits"),
+            GridCase("masked_logits", lq=rag[1], lk=rag[0], causal="bottom_right", acts="huge_logits"),
             GridCase("massive", b=2, lq=113, lk=203, d=64, dv=64, mask="padding", acts="massive"),
             *(GridCase("massive", lq=2048, lk=2048, d=64, dv=64, acts="massive", dtype=dt)
               for dt in ("float16", "bfloat16")),

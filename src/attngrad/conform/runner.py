@@ -15,9 +15,9 @@ from .reference import reference
 from .result import WrongAnswer
 from .targets import (
     BUILTINS,
-    CANNOT,
     CUDA_BUILTINS,
     OPT_IN,
+    cannot,
     grad_names,
     protocol_lacks,
     reference_lacks,
@@ -207,11 +207,11 @@ def skip_reason(target, case: GridCase) -> str | None:
     express (with the protocol's reason), what it does not declare, what the reference lacks,
     or a per-case limit of the protocol."""
     missing = sorted(case.features() - target.features)
-    cannot = {n: CANNOT[target.protocol][n] for n in missing if n in CANNOT.get(target.protocol, {})}
-    if cannot:
-        first = next(iter(cannot))
-        more = f" (nor {', '.join(list(cannot)[1:])})" if len(cannot) > 1 else ""
-        return f"the {target.protocol} protocol cannot express {first}{more}: {cannot[first]}"
+    limits = cannot(target.protocol)
+    limited = [n for n in missing if n in limits]
+    if limited:
+        more = f" (nor {', '.join(limited[1:])})" if len(limited) > 1 else ""
+        return f"the {target.protocol} protocol cannot express {limited[0]}{more}: {limits[limited[0]]}"
     if missing:
         opt = [n for n in missing if n in OPT_IN]
         how = f" (opt-in: --features +{',+'.join(opt)})" if opt and len(opt) == len(missing) else ""

@@ -45,10 +45,17 @@ __all__ = [
     "resolve_target",
 ]
 
-# Read from the registry (protocols.REGISTRY): a protocol registered there is in all of these.
+# The registry's names at import (protocols.REGISTRY is what the code reads, so a protocol
+# registered later is known everywhere; these stay for the names they always were).
 PROTOCOLS = tuple(REGISTRY)
 PROTOCOL_FEATURES = {name: set(p.features) for name, p in REGISTRY.items()}
 CANNOT = {name: dict(p.cannot) for name, p in REGISTRY.items()}
+
+
+def cannot(protocol_name: str | None) -> dict:
+    """feature -> why protocol ``protocol_name`` cannot express it ({} for none or a built-in's own)."""
+    p = REGISTRY.get(protocol_name)
+    return dict(p.cannot) if p is not None else {}
 
 
 def default_features(protocol_name: str) -> frozenset:
@@ -85,15 +92,16 @@ def check_features(names, where: str = "features", protocol: str | None = None) 
     express raise ValueError naming them; "all" means everything the protocol can express."""
     names = set(names)
     if "all" in names:
-        names = (names - {"all"}) | set(PROTOCOL_FEATURES.get(protocol, FEATURES))
+        names = (names - {"all"}) | set(REGISTRY[protocol].features if protocol in REGISTRY else FEATURES)
     bad = sorted(names - set(FEATURES))
     if bad:
         raise ValueError(f"{where}: unknown feature(s) {', '.join(bad)}; known: {', '.join(FEATURES)}")
-    cannot = [n for n in sorted(names) if n in CANNOT.get(protocol, {})]
-    if cannot:
-        n = cannot[0]
-        more = f" (also {', '.join(cannot[1:])})" if len(cannot) > 1 else ""
-        raise ValueError(f"{where}: the {protocol} protocol cannot express feature {n}{more}: {CANNOT[protocol][n]}")
+    why = cannot(protocol)
+    refused = [n for n in sorted(names) if n in why]
+    if refused:
+        n = refused[0]
+        more = f" (also {', '.join(refused[1:])})" if len(refused) > 1 else ""
+        raise ValueError(f"{where}: the {protocol} protocol cannot express feature {n}{more}: {why[n]}")
     return frozenset(names)
 
 
@@ -292,8 +300,8 @@ def resolve_target(target, *, protocol: str | None = None, features=None, device
     ``attngrad_features`` attribute "+name" items add to the protocol's defaults.  A declared
     feature its protocol cannot express raises ValueError naming it.  ``device``: where the
     target's inputs are created (torch targets)."""
-    if protocol is not None and protocol not in PROTOCOLS:
-        raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}; got {protocol!r}")
+    if protocol is not None and protocol not in REGISTRY:
+        raise ValueError(f"protocol must be one of {', '.join(REGISTRY)}; got {protocol!r}")
     device = check_device(device)
     if isinstance(target, Target):
         t = target
@@ -309,8 +317,8 @@ def resolve_target(target, *, protocol: str | None = None, features=None, device
         proto = protocol or getattr(obj, "attngrad_protocol", None)
         if proto is None:
             proto = "explicit" if hasattr(obj, "forward") and hasattr(obj, "backward") else "sdpa"
-        if proto not in PROTOCOLS:
-            raise ValueError(f"{name}: attngrad_protocol must be one of {', '.join(PROTOCOLS)}; got {proto!r}")
+        if proto not in REGISTRY:
+            raise ValueError(f"{name}: attngrad_protocol must be one of {', '.join(REGISTRY)}; got {proto!r}")
         spec = REGISTRY[proto]
         if spec.numpy:
             if not (callable(getattr(obj, "forward", None)) and callable(getattr(obj, "backward", None))):
@@ -325,6 +333,6 @@ def resolve_target(target, *, protocol: str | None = None, features=None, device
         at = "" if device == "cpu" else f", on {device}"
         t = Target(name, proto, frozenset(feats), run, "a user's function" + at)
     if features is not None:
-        proto = t.protocol if t.protocol in PROTOCOLS else None
+        proto = t.protocol if t.protocol in REGISTRY else None
         t = Target(t.name, t.protocol, parse_features(features, t.features, "features", proto), t.run, t.note)
     return t
