@@ -12,6 +12,7 @@ from __future__ import annotations
 import textwrap
 
 from ..scores import FLOAT, Derived, Names, Traced, derive, latex, text, trace_mask, trace_score
+from ..scores.nodes import leaf
 from .document import FORMATS, latex_document
 from .prose_latex import prose_latex
 
@@ -22,7 +23,7 @@ def _lines(derived: Derived, mask: Traced | None, fmt: str) -> dict:
     names = Names(tr.leaf_names, [c.name for c in tr.captured])
     tex = fmt != "text"
     show = (lambda n: latex(n, names)) if tex else (lambda n: text(n, names))
-    score = names.leaf(_score_leaf(tr), tex)
+    score = names.leaf(leaf("score"), tex)
     mask_names = None if mask is None else Names(mask.leaf_names, [c.name for c in mask.captured])
     sym = _symbols(tex)
     fwd = [("(A1)", score, sym["s"] + sym["dot"] + sym["QKt"]), ("(FX1)", "S", show(derived.expr))]
@@ -44,12 +45,6 @@ def _lines(derived: Derived, mask: Traced | None, fmt: str) -> dict:
     grads += [("(A8)", "dQ", sym["s"] + " d" + score + " K"), ("(A9)", "dK", sym["s"] + " (d" + score + ")" +
                                                                  sym["T"] + " Q")]
     return {"Forward equations": fwd, "The derived derivatives": chain, "Gradients": grads}
-
-
-def _score_leaf(tr: Traced):
-    from ..scores.nodes import leaf
-
-    return leaf("score")
 
 
 def _eq(rhs: str, tex: bool = False) -> str:
@@ -82,12 +77,12 @@ def _table(derived: Derived, mask: Traced | None, tex: bool = False) -> list:
     tr = derived.traced
     names = Names(tr.leaf_names, [c.name for c in tr.captured])
 
-    def leaf(key):
-        return names.leaves[key] if not tex else "$" + names.leaf(_leaf(key), True) + "$"
+    def sym(key):
+        return names.leaves[key] if not tex else "$" + names.leaf(leaf(key), True) + "$"
 
-    rows = [(leaf("score"), "(Lq, Lk)", "the scaled dot product s q_i·k_j of query i and key j (score_mod's first argument)"),
-            (leaf("b") + ", " + leaf("h"), "ints", "batch row and query head of the entry"),
-            (leaf("q_idx") + ", " + leaf("kv_idx"), "ints", "query position i and key position j"),
+    rows = [(sym("score"), "(Lq, Lk)", "the scaled dot product s q_i·k_j of query i and key j (score_mod's first argument)"),
+            (sym("b") + ", " + sym("h"), "ints", "batch row and query head of the entry"),
+            (sym("q_idx") + ", " + sym("kv_idx"), "ints", "query position i and key position j"),
             ("$s$" if tex else "s", "scalar", "attention scale, default 1/√D"),
             ("$S$" if tex else "S", "(Lq, Lk)", f"the scores: {tr.name} applied to every entry (FX1)")]
     for slot, cap in enumerate(tr.captured):
@@ -99,12 +94,6 @@ def _table(derived: Derived, mask: Traced | None, tex: bool = False) -> list:
     rows += [("$P$, $O$" if tex else "P, O", "(Lq, Lk), (Lq, Dv)", "probabilities (0 where the mask is False) and output"),
              ("$dO$" if tex else "dO", "(Lq, Dv)", "∂L/∂O, the upstream gradient")]
     return rows
-
-
-def _leaf(key: str):
-    from ..scores.nodes import leaf
-
-    return leaf(key)
 
 
 _NOTES = ("Every derivative above is derived from the traced expression of the score function, "

@@ -17,7 +17,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ...runtime._xp import Array
-from ...scores import scatter_add
+from ...scores import Grid, scatter_add
 from ..dense import softmax_with_sinks
 from .blocks import TileRule
 from .problem import FULL, PARTIAL, FlexProblem
@@ -57,7 +57,7 @@ def allowed_entries(prob: FlexProblem, rule: TileRule):
     if prob.mask is None:
         allowed = np.ones((1, 1, 1, 1, 1), bool)
     else:
-        allowed = np.asarray(prob.mask_program.run(_mask_grid(prob, grid)).outputs[0], bool)
+        allowed = np.asarray(prob.mask_program.run(Grid(None, grid, prob.mask_captured, prob.cdt)).outputs[0], bool)
         allowed = allowed.reshape((1,) * (5 - allowed.ndim) + allowed.shape)
     if prob.table is not None:
         t = prob.table
@@ -65,12 +65,6 @@ def allowed_entries(prob: FlexProblem, rule: TileRule):
         st = st.reshape(st.shape[0], Hkv, G, Lq, Lk) if st.shape[1] > 1 else st[:, :, None]  # (b|1, ., ., Lq, Lk)
         allowed = (st == FULL) | ((st == PARTIAL) & allowed)
     return allowed
-
-
-def _mask_grid(prob, grid):
-    from ...scores import Grid
-
-    return Grid(None, grid, prob.mask_captured, prob.cdt)
 
 
 def forward(q, k, v, prob: FlexProblem, rule: TileRule):
@@ -128,7 +122,7 @@ def backward(cache: FlexDenseCache, do, dlse=None) -> dict:
         fix = 0 if dlse is None else (p.reshape(ds.shape) * np.asarray(dlse).reshape(B, Hkv, G, Lq, 1))
         ds = np.where(cache.flat, fix, ds).astype(prob.cdt, copy=False)  # (A7, LS4)
     grads = {}
-    _, d_score, d_reads, indices = backward_scores(prob, cache.s0, _grid(prob), np.empty_like(cache.s0))
+    _, d_score, d_reads, indices = backward_scores(prob, cache.s0, _grid(prob), None)  # (FX1-FX3)
     if prob.score is not None:
         caps = prob.score.traced.captured
         for read, d in zip(prob.score.reads, d_reads, strict=True):  # (FX3)

@@ -44,12 +44,13 @@ def forward_scores(prob: FlexProblem, s, index: dict):
 def backward_scores(prob: FlexProblem, s, index: dict, buf):
     """(S, ∂S/∂S⁰, [∂S/∂θ per read], gathered indices) on a tile (FX1-FX3).  S is an
     array the caller may overwrite (``buf`` when the program's result is shared or
-    borrowed); the derivatives are only read."""
+    borrowed; with ``buf`` None, S is returned as evaluated, only to be read); the
+    derivatives are only read."""
     if prob.bwd is None:
         return s, 1.0, [], {}
     vals = run_program(prob, prob.bwd, s, index)
     f, d_score, *d_reads = vals.outputs
-    if not owned(f, s) or any(f is d for d in vals.outputs[1:]):
+    if buf is not None and (not owned(f, s) or any(f is d for d in vals.outputs[1:])):
         np.copyto(buf, f)
         f = buf
     return f, d_score, d_reads, vals.indices
