@@ -35,6 +35,7 @@ from attngrad.core.flex import (
     make_flex_run,
 )
 from attngrad.scores import Traced, signature, without_values
+from attngrad.torch.threads import torch_threads
 
 TILED, DENSE = 1, 0
 _TABLE: dict = {}  # signature -> a traced function without values
@@ -79,6 +80,7 @@ def _shapes(q, v):
 
 
 @torch.library.custom_op("attngrad::flex", mutates_args=())
+@torch_threads
 def flex_op(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -124,6 +126,7 @@ def _flex_fake(q, k, v, captured, mask_captured, block_state, program, mask_prog
 
 
 @torch.library.custom_op("attngrad::flex_backward", mutates_args=())
+@torch_threads
 def flex_backward_op(
     dout: torch.Tensor,
     q: torch.Tensor,

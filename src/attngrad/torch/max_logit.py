@@ -14,9 +14,11 @@ import torch
 from attngrad.core.max_logit import max_logit
 from attngrad.core.problem import make_problem
 from attngrad.torch.ops import _np, _options
+from attngrad.torch.threads import torch_threads
 
 
 @torch.library.custom_op("attngrad::max_logit", mutates_args=())
+@torch_threads
 def max_logit_op(
     q: torch.Tensor,
     k: torch.Tensor,
