@@ -14,6 +14,7 @@ import pytest
 import attngrad
 
 torch = pytest.importorskip("torch")
+pytest.importorskip("torch._inductor.config")
 
 B, H, HKV, L, D = 2, 4, 2, 150, 8
 
@@ -71,6 +72,7 @@ def test_empty_heads_give_minus_inf_and_torch_arrays():
         attngrad.sdpa_forward(q, k, v, return_max_logit=1)
 
 
+@torch._inductor.config.patch(force_disable_caches=True)  # (as tests/test_torch_compile.py: no stale cache)
 def test_drop_in_returns_it_without_gradient():
     from attngrad.torch import scaled_dot_product_attention
 
