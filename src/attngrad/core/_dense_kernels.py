@@ -32,7 +32,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ..runtime._fused_kernels import _FM, _jit_nrt, _rowmax, _sum8, exp_shift_sum, narrow
+from ..runtime._fused_kernels import _FM, _jit, _rowmax, _sum8, exp_shift_sum, narrow
 from ..runtime._vec16 import add16, fma16, fmav16, load16, splat16, store16, unit_row
 
 W = 16  # lanes
@@ -296,23 +296,51 @@ def _dsoftmax_row(sr, a, e, prow, dsr, dlse):
         ds[j] = narrow(dpr[j], dpr[j] - delta) * pr[j]
 
 
-@_jit_nrt
-def dense_fwd_span(q, k, v, p, o, scale, lo, hi, u0, u1):
+def _padded(lk: int) -> int:
+    return (lk + W - 1) // W * W
+
+
+def fwd_scratch(q, k, v) -> tuple:
+    """The scratch of one :func:`dense_fwd_span` call, made by its caller (so that the loop
+    allocates nothing and compiles without numba's runtime): float32 K^T padded (D, Lkp),
+    V (Lk, Dv), the Q rows (G Lq, D), four rows of logits (R, Lkp); int64 row intervals."""
+    hkv, lq, dh = k.shape[1], q.shape[2], q.shape[3]
+    rows, lk, dv, lkp = q.shape[1] // hkv * lq, k.shape[2], v.shape[3], _padded(k.shape[2])
+    return np.empty(dh * lkp + lk * dv + rows * dh + R * lkp, np.float32), np.empty(2 * rows, np.int64)
+
+
+def bwd_scratch(q, k, v) -> tuple:
+    """The scratch of one :func:`dense_bwd_span` call: float32 V^T (Dv, Lkp), K (Lk, D), the
+    Q and dO rows, four rows of dP (R, Lkp), dS (G Lq, Lkp); int64 row and key intervals."""
+    hkv, lq, dh = k.shape[1], q.shape[2], q.shape[3]
+    rows, lk, dv, lkp = q.shape[1] // hkv * lq, k.shape[2], v.shape[3], _padded(k.shape[2])
+    n = dv * lkp + lk * dh + rows * dh + rows * dv + R * lkp + rows * lkp
+    return np.empty(n, np.float32), np.empty(2 * rows + 2 * lk, np.int64)
+
+
+@_inline
+def _take(buf, at, rows, cols):
+    """A (rows, cols) view of ``buf`` from ``at``, and the position after it."""
+    return buf[at:at + rows * cols].reshape((rows, cols)), at + rows * cols
+
+
+@_jit
+def dense_fwd_span(q, k, v, p, o, scale, lo, hi, u0, u1, fbuf, ibuf):
     """Heads u0 .. u1 - 1 of the flattened (B, Hkv): P (B, Hkv, G*Lq, Lk) written whole
     (C-contiguous; row r is query row r % Lq of query head h G + r // Lq) and O (B, H, Lq,
     Dv); q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv), o float32 with adjacent
     elements along their last axis (any other strides: merged heads); lo, hi (B|1, Lq)
     int64.  Query rows four at a time (:func:`_tile4`, :func:`_rows4`), the last Lq mod 4
-    alone.                                                                     (A1-A3)"""
+    alone.  ``fbuf``, ``ibuf``: :func:`fwd_scratch`.                           (A1-A3)"""
     hkv, lq, dh = k.shape[1], q.shape[2], q.shape[3]
     g = q.shape[1] // hkv
     rows, lk, dv = g * lq, k.shape[2], v.shape[3]
     lkp = (lk + W - 1) // W * W
-    kt = np.empty((dh, lkp), dtype=np.float32)  # K^T of the head, zero-padded to whole blocks
-    vh = np.empty((lk, dv), dtype=np.float32)  # V and Q of the head, gathered (merged heads lie strided)
-    qh = np.empty((rows, dh), dtype=np.float32)
-    sb = np.empty((R, lkp), dtype=np.float32)  # four rows of logits, by key position
-    ar, er = np.empty(rows, dtype=np.int64), np.empty(rows, dtype=np.int64)
+    kt, at = _take(fbuf, 0, dh, lkp)  # K^T of the head, zero-padded to whole blocks
+    vh, at = _take(fbuf, at, lk, dv)  # V and Q of the head, gathered (merged heads lie strided)
+    qh, at = _take(fbuf, at, rows, dh)
+    sb, at = _take(fbuf, at, R, lkp)  # four rows of logits, by key position
+    ar, er = ibuf[:rows], ibuf[rows:2 * rows]
     one = np.float32(1.0)
     n4 = lq - lq % R
     for u in range(u0, u1):
@@ -340,25 +368,26 @@ def dense_fwd_span(q, k, v, p, o, scale, lo, hi, u0, u1):
                 _store_row1(unit_row(ob[i]), ph[r], vh, a, e, one)
 
 
-@_jit_nrt
-def dense_bwd_span(q, k, v, p, do, dq, dk, dv, dl, scale, lo, hi, u0, u1):
+@_jit
+def dense_bwd_span(q, k, v, p, do, dq, dk, dv, dl, scale, lo, hi, u0, u1, fbuf, ibuf):
     """Heads u0 .. u1 - 1: dQ (B, H, Lq, D), dK (B, Hkv, Lk, D), dV (B, Hkv, Lk, Dv) of
     those heads written whole, from P (C-contiguous, as :func:`dense_fwd_span` lays it
     out) and dO (B, H, Lq, Dv); the others float32 with adjacent elements along their last
     axis.  ``dl`` (B, H, Lq) float64: the upstream gradient of the log-sum-exp, dS += P dlse
-    (LS3), or an empty array for none.  Rows, then keys, four at a time.   (A4-A9)"""
+    (LS3), or an empty array for none.  Rows, then keys, four at a time.
+    ``fbuf``, ``ibuf``: :func:`bwd_scratch`.                                 (A4-A9)"""
     hkv, lq, dh = k.shape[1], q.shape[2], q.shape[3]
     g = q.shape[1] // hkv
     rows, lk, ndv = g * lq, k.shape[2], v.shape[3]
     lkp = (lk + W - 1) // W * W
-    vt = np.empty((ndv, lkp), dtype=np.float32)  # V^T of the head
-    kh = np.empty((lk, dh), dtype=np.float32)  # K, Q and dO of the head, gathered (merged heads lie strided)
-    qh = np.empty((rows, dh), dtype=np.float32)
-    doh = np.empty((rows, ndv), dtype=np.float32)
-    sb = np.empty((R, lkp), dtype=np.float32)  # four rows of dP, by key position
-    ds = np.empty((rows, lkp), dtype=np.float32)  # the head's dS, read inside each row's interval only
-    ar, er = np.empty(rows, dtype=np.int64), np.empty(rows, dtype=np.int64)
-    i0, i1 = np.empty(lk, dtype=np.int64), np.empty(lk, dtype=np.int64)
+    vt, at = _take(fbuf, 0, ndv, lkp)  # V^T of the head
+    kh, at = _take(fbuf, at, lk, dh)  # K, Q and dO of the head, gathered (merged heads lie strided)
+    qh, at = _take(fbuf, at, rows, dh)
+    doh, at = _take(fbuf, at, rows, ndv)
+    sb, at = _take(fbuf, at, R, lkp)  # four rows of dP, by key position
+    ds, at = _take(fbuf, at, rows, lkp)  # the head's dS, read inside each row's interval only
+    ar, er = ibuf[:rows], ibuf[rows:2 * rows]
+    i0, i1 = ibuf[2 * rows:2 * rows + lk], ibuf[2 * rows + lk:2 * rows + 2 * lk]
     one = np.float32(1.0)
     n4, k4 = lq - lq % R, lk - lk % R
     for u in range(u0, u1):

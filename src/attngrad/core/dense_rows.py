@@ -34,6 +34,13 @@ MAX_KEYS = 128  # Lk
 MAX_FILL = 0.6  # the share of (query, key) pairs the rule allows, at most
 
 _fwd = fused.kernel_loader("attngrad.core._dense_kernels", "dense_fwd_span")
+
+
+def _kernels():
+    """The kernel module (its scratch makers: plain Python), imported once the kernels are."""
+    from . import _dense_kernels
+
+    return _dense_kernels
 _bwd = fused.kernel_loader("attngrad.core._dense_kernels", "dense_bwd_span")
 LANES = 16  # D and Dv are multiples of it (the kernels' register blocks)
 
@@ -119,7 +126,8 @@ def forward(q, k, v, prob, rows: Rows, out=None):
     lo, hi = rows.lo, rows.hi
     scale = q.dtype.type(prob.scale)
     kernel = _fwd()
-    _run(lambda u0, u1: kernel(q, k, v, p, o, scale, lo, hi, u0, u1), B * Hkv, p.size)
+    _run(lambda u0, u1: kernel(q, k, v, p, o, scale, lo, hi, u0, u1, *_kernels().fwd_scratch(q, k, v)),
+         B * Hkv, p.size)
     return p, o
 
 
@@ -134,5 +142,6 @@ def backward(q, k, v, p, do, prob, rows: Rows, dl=None, out=None):
     scale = q.dtype.type(prob.scale)
     kernel = _bwd()
     dl = np.zeros((0, 0, 0)) if dl is None else np.asarray(dl, dtype=np.float64)
-    _run(lambda u0, u1: kernel(q, k, v, p, do, dq, dk, dv, dl, scale, lo, hi, u0, u1), B * Hkv, p.size)
+    _run(lambda u0, u1: kernel(q, k, v, p, do, dq, dk, dv, dl, scale, lo, hi, u0, u1,
+                               *_kernels().bwd_scratch(q, k, v)), B * Hkv, p.size)
     return dq, dk, dv

@@ -58,7 +58,7 @@ _jit = numba.njit(fastmath=_FM, nogil=True, cache=True, _nrt=False)
 _jit_nrt = numba.njit(fastmath=_FM, nogil=True, cache=True)  # kernels that allocate
 # the row helpers other compiled loops call once per row (the dense path's, core/_dense_kernels.py):
 # inlined at numba's level, so that a short row pays no call
-_jit_inline = numba.njit(fastmath=_FM, nogil=True, cache=True, inline="always", _nrt=False)
+_jit_inline = numba.njit(fastmath=_FM, nogil=True, cache=True, inline="always")
 
 
 @intrinsic
