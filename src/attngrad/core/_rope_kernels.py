@@ -35,7 +35,7 @@ def _rotate_row(xr, orow, c, s, r, half):  # pragma: no cover
         orow[j] = xr[j]  # (R4)
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, _nrt=False)  # allocates nothing: no reference counting
 def rotate(x, cos, sin, r, half, out):  # pragma: no cover
     """x (B, H, L, D) (any strides), cos, sin (1|B, 1, L, R/2), out (B, H, L, D) of their
     dtype: u' = u cos - w sin, w' = w cos + u sin (R3), pairs (i, i + R/2) (``half``) or
@@ -50,7 +50,7 @@ def rotate(x, cos, sin, r, half, out):  # pragma: no cover
                 _rotate_row(x[b, h, l], out[b, h, l], c, s, r, half)
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, _nrt=False)  # allocates nothing: no reference counting
 def rotate_rows(x, cos, sin, r, half, out):  # pragma: no cover
     """:func:`rotate` where x's and out's last axes have adjacent elements (any other
     strides: merged heads): the rows typed as contiguous, so that the pairs' loop runs in

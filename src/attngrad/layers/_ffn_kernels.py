@@ -19,14 +19,14 @@ import numba
 from ..runtime._fused_kernels import sigmoid_rows
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, _nrt=False)  # allocates nothing: no reference counting
 def swiglu_product(a, sigma, u, z):  # pragma: no cover
     """1-D a, sigma, u, z of one dtype: z <- a sigma u (LL3), as ``a * sigma * u``."""
     for i in range(a.size):
         z[i] = (a[i] * sigma[i]) * u[i]  # (LL3)
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, _nrt=False)  # allocates nothing: no reference counting
 def swiglu_rows(a, u, sigma, z):  # pragma: no cover
     """1-D a, u, sigma, z of one dtype: sigma <- 1 / (1 + e^-a) (:func:`sigmoid_rows`), then
     z <- a sigma u (LL3) as :func:`swiglu_product`, in blocks of 1024 values while they are
@@ -38,7 +38,7 @@ def swiglu_rows(a, u, sigma, z):  # pragma: no cover
         swiglu_product(a[i0:i1], sigma[i0:i1], u[i0:i1], z[i0:i1])  # (LL3)
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, _nrt=False)  # allocates nothing: no reference counting
 def swiglu_grad(dz, a, u, sigma, one, du, da):  # pragma: no cover
     """1-D dz, a, u, sigma, du, da of one dtype, ``one`` = 1 in it: (du, da) <- (LL4), as
     ``dz * (a * sigma)`` and ``dz * u * (sigma * (1 + a (1 - sigma)))``."""
