@@ -15,7 +15,7 @@ from ..runtime.parallel import available_cores, check_threads
 from ..runtime.threads import get_num_threads
 from .contenders import ATTENTION, REFERENCE, Case, contender, library, primer
 from .memory import measure
-from .timing import paired_ratios, summarize, time_round_robin
+from .timing import paired_ratios, sgemm_rate, summarize, time_round_robin
 
 MAX_SETTLE = 10.0  # seconds of idle before a timed call; more is a mistake, not a setting
 
@@ -239,6 +239,9 @@ def run_bench(cfg: BenchConfig, *, progress=None) -> BenchResult:
         import torch
 
         torch.set_num_threads(threads)
+    if cfg.timing:
+        result.environment["sgemm_gflops"] = sgemm_rate(threads, torch_too=any(library(n) == "torch"
+                                                                              for n in selected(cfg)))
     cases, layer = _cases(cfg)
     _run_cases(result, cases, cfg.contenders, cfg, say)
     if layer is not None:
@@ -255,12 +258,15 @@ def format_bench(result: BenchResult) -> str:
         f"attngrad bench: {cfg.dtype}, {env['threads']} threads ({env['cores']} cores), "
         f"median of {cfg.rounds} round-robin rounds; numpy {env['numpy']}, torch {env.get('torch')}; "
         f"load average {env.get('loadavg_start', float('nan')):.2f} -> {env.get('loadavg_end', float('nan')):.2f}",
+        *(["SGEMM in this process: " + ", ".join(f"{k} {v:.0f}" for k, v in env["sgemm_gflops"].items())
+           + " GFLOP/s (float32, 2048^3)"] if env.get("sgemm_gflops") else []),
         "",
         "| shape | causal | contender | median ms | spread | GFLOP/s | peak extra MB | time vs ref "
         "| per round: median (quartiles) | faster rounds |" + (" mixed: median ms | mixed: per round |"
                                                               if cfg.mixed else ""),
         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if cfg.mixed else ""),
     ]
+    peak = max(env.get("sgemm_gflops", {}).values(), default=0.0)
     for r in result.rows:
         shape = (f"B={r['batch']} H={r['heads']} N={r['n']} D={r['dim']}" if r["kind"] == "attention"
                  else f"layer B={r['batch']} N={r['n']} E={r['dim']} H={r['heads']}")
@@ -271,6 +277,8 @@ def format_bench(result: BenchResult) -> str:
             (f"{r['median_s'] * 1e3:.1f}", f"{r['spread']:.0%}", f"{r['gflops']:.1f}")
             if "median_s" in r else ("-", "-", "-")
         )
+        if "median_s" in r and peak:
+            gf += f" ({r['gflops'] / peak:.0%})"
         rounds = (f"{r['round_ratio_median']:.2f}x ({r['round_ratio_q1']:.2f}-{r['round_ratio_q3']:.2f})",
                   f"{r['rounds_faster']:.0%}") if "round_ratio_median" in r else ("-", "-")
         mixed = ""
@@ -284,7 +292,9 @@ def format_bench(result: BenchResult) -> str:
         )
     lines.append("")
     lines.append("ref = torch_sdpa (attention), torch_mha (layer); spread = (max - min) / median; "
-                 "GFLOP/s = 12 N^2 D per head (halved for causal) / median time; time vs ref = the "
+                 "GFLOP/s = 12 N^2 D per head (halved for causal) / median time, in brackets its share of "
+                 "the best SGEMM rate above (a FlashAttention-style backward executes 14 N^2 D: 7/6 of "
+                 "the share); time vs ref = the "
                  "ratio of the medians; per round = the contender's time over ref's in the same "
                  "round, so that the machine's drift between rounds cancels; faster rounds = the "
                  "share of rounds in which the contender beat ref"

@@ -115,3 +115,34 @@ def paired_ratios(seconds: list[float], reference: list[float]) -> dict:
     q1, med, q3 = np.percentile(ratios, [25, 50, 75])
     return {"round_ratio_median": float(med), "round_ratio_q1": float(q1), "round_ratio_q3": float(q3),
             "rounds_faster": float(np.mean(ratios < 1.0))}
+
+
+def sgemm_rate(threads: int, *, torch_too: bool = False, n: int = 2048) -> dict:
+    """The float32 GEMM rate of this process (GFLOP/s, the best of three (n, n) x (n, n)
+    products after one untimed): NumPy's ``matmul`` on its BLAS limited to ``threads``
+    threads, and ``torch.mm`` on torch's threads where ``torch_too``.  The yardstick the
+    attention rows are read against (the tile products cannot beat it)."""
+    from ..runtime.parallel import blas_threads
+
+    a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
+    flops = 2.0 * n**3
+
+    def best(fn) -> float:
+        fn()
+        return flops / min(_seconds(fn) for _ in range(3)) / 1e9
+
+    with blas_threads(threads):
+        rates = {"numpy": best(lambda: a @ a)}
+    if torch_too:
+        import torch
+
+        t = torch.from_numpy(a)
+        rates["torch"] = best(lambda: torch.mm(t, t))
+    return rates
+
+
+def _seconds(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
