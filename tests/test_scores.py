@@ -141,3 +141,35 @@ def test_an_index_out_of_range_is_an_index_error():
                 (TABLE.detach().numpy(),), np.dtype(np.float64))
     with pytest.raises(IndexError, match="out of range"):
         Program([traced.expr]).run(grid)
+
+
+@pytest.mark.parametrize("index", [
+    lambda b, h, i, j: (h, i - j + 9),        # the relative-position table: diagonal sums
+    lambda b, h, i, j: (h, j - i + 9),        # mirrored
+    lambda b, h, i, j: (b + h, 2 * i + 1),    # rows only (β = 0), other index from b and h
+    lambda b, h, i, j: (h, i - j),            # negative positions: counted from the end (general path)
+])
+def test_affine_reads_are_views_with_the_same_values_and_gradients(index):
+    """A tile's read at an affine index (attngrad.scores.affine) gives what the general
+    gather gives, and its scatter-add the same sums."""
+    table = np.random.default_rng(3).standard_normal((4, 19))
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score * table[index(b, h, q_idx, kv_idx)]
+
+    traced = trace_score(score_mod)
+    d = derive(traced)
+    program = Program(d.backward_outputs())
+    s = np.random.default_rng(4).standard_normal((4, 6))
+    w = np.random.default_rng(5).standard_normal((4, 6))
+    q0, k0 = 3, 2
+    idx = {"b": 1, "h": 2, "q_idx": np.arange(q0, q0 + 4)[:, None], "kv_idx": np.arange(k0, k0 + 6)[None, :]}
+    results = []
+    for tile in (None, (q0, q0 + 4, k0, k0 + 6)):
+        vals = program.run(Grid(s, idx, (table,), np.dtype(np.float64), tile))
+        total = np.zeros(table.shape)
+        read = d.reads[0]
+        scatter_add(total, vals.indices[id(read.gather)], w * np.broadcast_to(vals.outputs[2], s.shape))
+        results.append((np.broadcast_to(vals.outputs[0], s.shape), total))
+    np.testing.assert_allclose(results[1][0], results[0][0], rtol=0, atol=0)
+    np.testing.assert_allclose(results[1][1], results[0][1], rtol=1e-14, atol=1e-14)

@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .affine import AffineRead, plan_of, read, scatter
 from .nodes import FLOAT, INT, Node, walk
 from .render import divisor
 
@@ -49,6 +50,10 @@ class Grid(NamedTuple):
     index: dict  # "b", "h", "q_idx", "kv_idx" -> int64 arrays or ints, broadcastable
     captured: tuple  # per slot: a NumPy array (float ones in the compute dtype)
     dtype: object  # the compute dtype
+    tile: tuple | None = None  # (q0, q1, k0, k1) when q_idx, kv_idx are those ranges: affine reads (.affine)
+
+
+_LAZY = object()  # a value not computed unless a read's general path needs it
 
 
 class Values(NamedTuple):
@@ -75,6 +80,32 @@ class Program:
                 self.last[j] = i
         for j in self.out_slots:
             self.last[j] = len(self.order)
+        # reads at an affine index of the positions (.affine), and the index nodes only they use
+        self.plans = {i: plan_of(n) for i, n in enumerate(self.order) if plan_of(n) is not None}
+        self.lazy = self._lazy_nodes()
+
+    def _lazy_nodes(self) -> set:
+        """Nodes computed only for a planned read's affine index (skipped while the read is
+        served as a view)."""
+        users: list = [[] for _ in self.order]
+        for i, args in enumerate(self.args):
+            for pos, j in enumerate(args):
+                users[j].append((i, pos))
+        lazy: set = set()
+        outs = set(self.out_slots)
+        for j in reversed(range(len(self.order))):
+            if j in outs or not users[j]:
+                continue
+            if all(u in lazy or (u in self.plans and pos == self.plans[u].axis) for u, pos in users[j]):
+                lazy.add(j)
+        return lazy
+
+    def _force(self, j: int, vals: list, grid: Grid):
+        """The value of a lazy node, computed now (its lazy arguments first)."""
+        if vals[j] is _LAZY:
+            args = [self._force(a, vals, grid) for a in self.args[j]]
+            vals[j] = _step(self.order[j], args, grid)
+        return vals[j]
 
     def run(self, grid: Grid) -> Values:
         vals: list = [None] * len(self.order)
@@ -83,11 +114,12 @@ class Program:
         dt = grid.dtype
         with np.errstate(all="ignore"):  # (inf and NaN follow the maths, as in torch)
             for i, n in enumerate(self.order):
+                if i in self.lazy:
+                    vals[i] = _LAZY
+                    continue
                 args = [vals[j] for j in self.args[i]]
                 if n.op == "gather":
-                    idx = _wrapped(n, grid.captured, args)
-                    indices[id(n)] = idx
-                    v = grid.captured[n.data][idx]
+                    v = self._gather(i, n, args, vals, grid, indices)
                 else:
                     fn = _ufunc(n, args) if n.kind == FLOAT else None
                     buf = None if fn is None else self._spare(i, vals, owned, fn[1], dt)
@@ -97,8 +129,24 @@ class Program:
                     v = v.astype(dt)
                 vals[i] = v
                 owned[i] = n.op not in ("score", "index", "const") and isinstance(v, np.ndarray) and not any(
-                    v is a for a in args)
+                    v is a for a in args) and v.flags.writeable
         return Values([vals[s] for s in self.out_slots], indices)
+
+    def _gather(self, i: int, n: Node, args: list, vals: list, grid: Grid, indices: dict):
+        """A captured tensor's read: a strided view where the index is affine in the tile's
+        positions (:func:`.affine.read`), else the wrapped indices and a NumPy gather."""
+        plan = self.plans.get(i)
+        arr = grid.captured[n.data]
+        if plan is not None and grid.tile is not None and arr.ndim == len(args):
+            got = read(arr, plan, args, grid.index.get("b"), grid.index.get("h"), grid.tile)
+            if got is not None:
+                indices[id(n)] = got[1]
+                return got[0]
+        if plan is not None:
+            args = [self._force(j, vals, grid) for j in self.args[i]]
+        idx = _wrapped(n, grid.captured, args)
+        indices[id(n)] = idx
+        return arr[idx]
 
     def _spare(self, i: int, vals: list, owned: list, operands: list, dt):
         """An argument's buffer that step ``i`` may write its result into: the argument's own
@@ -202,6 +250,9 @@ def scatter_add(total, index: tuple, weights) -> None:
     ``total`` a float64 array of the tensor's shape, ``index`` the wrapped index arrays of
     one gather (broadcasting against ``weights``), ``weights`` dS ∘ ∂S/∂g (FX3)."""
     weights = np.asarray(weights)
+    if isinstance(index, AffineRead):
+        scatter(total, index, weights)
+        return
     if not index:
         total[()] += weights.sum(dtype=np.float64)
         return

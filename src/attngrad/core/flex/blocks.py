@@ -27,9 +27,10 @@ MEMO_BYTES = 64 << 20  # partial tiles kept for the next head, at most
 
 
 def index_grid(b, h, q0: int, q1: int, k0: int, k1: int) -> dict:
-    """The index leaves of tile [q0, q1) x [k0, k1): q_idx a column, kv_idx a row."""
+    """The index leaves of tile [q0, q1) x [k0, k1): q_idx a column, kv_idx a row; and the
+    tile itself under "tile" (reads at an affine index become views: attngrad.scores.affine)."""
     return {"b": b, "h": h, "q_idx": np.arange(q0, q1, dtype=np.int64)[:, None],
-            "kv_idx": np.arange(k0, k1, dtype=np.int64)[None, :]}
+            "kv_idx": np.arange(k0, k1, dtype=np.int64)[None, :], "tile": (q0, q1, k0, k1)}
 
 
 class TileRule:
@@ -95,7 +96,8 @@ class TileRule:
         prob = self.prob
         if prob.mask is None:
             return np.True_
-        grid = Grid(None, index_grid(b, h, q0, q1, k0, k1), prob.mask_captured, prob.cdt)
+        index = index_grid(b, h, q0, q1, k0, k1)
+        grid = Grid(None, index, prob.mask_captured, prob.cdt, index["tile"])
         try:
             return np.asarray(prob.mask_program.run(grid).outputs[0], dtype=bool)
         except IndexError as exc:

@@ -19,7 +19,7 @@ from .problem import FlexProblem
 def run_program(prob: FlexProblem, program, s, index: dict):
     """The program's outputs on one tile (IndexError naming a captured tensor)."""
     try:
-        return program.run(Grid(s, index, prob.captured, prob.cdt))
+        return program.run(Grid(s, index, prob.captured, prob.cdt, index.get("tile")))
     except IndexError as exc:
         raise IndexError(named(str(exc), prob.score.traced.captured, "score_mod")) from None
 
