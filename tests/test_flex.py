@@ -242,3 +242,22 @@ def test_bad_input_names_the_argument():
         attngrad.flex_backward(g[:, :, :3], cache)
     with pytest.raises(TypeError, match="cache"):
         attngrad.flex_backward(g, None)
+
+
+def test_return_lse_and_its_gradient():
+    """(FA1) the row log-sum-exp returned with the output; a loss using it (LS3) through dlse."""
+    q, k, v, g = make(11)
+    w = np.random.default_rng(12).standard_normal((B, H, L))
+    sm = lambda s, b, h, i, j: CAP * np.tanh(s / CAP)
+    tq, tk, tv = (torch.tensor(a, requires_grad=True) for a in (q, k, v))
+    s = tq @ tk.repeat_interleave(2, 1).transpose(-1, -2) / np.sqrt(D)
+    s = (CAP * torch.tanh(s / CAP)).masked_fill(~torch.ones(L, L, dtype=torch.bool).tril(), float("-inf"))
+    lse_ref = torch.logsumexp(s, -1)
+    ((torch.softmax(s, -1) @ tv.repeat_interleave(2, 1) * torch.tensor(g)).sum() + (lse_ref * torch.tensor(w)).sum()
+     ).backward()
+    for impl, kw in (("dense", {}), ("tiled", TILES)):
+        _, cache, lse = attngrad.flex_forward(q, k, v, sm, lambda b, h, i, j: i >= j, impl=impl, return_lse=True, **kw)
+        assert rel_err(lse, lse_ref.detach().numpy()) <= REL
+        grads = attngrad.flex_backward(g, cache, dlse=w)
+        for name, t in (("q", tq), ("k", tk), ("v", tv)):
+            assert rel_err(grads[name], t.grad.numpy()) <= REL, name

@@ -31,8 +31,8 @@ from .tiled import FlexTiledCache, Tiles
 
 __all__ = [
     "ABSENT", "FULL", "PARTIAL", "SKIP", "BlockTable", "FlexDenseCache", "FlexProblem", "FlexRun",
-    "FlexTiledCache", "TileRule", "Tiles", "flex_backward", "flex_forward", "forward", "make_flex_problem",
-    "make_flex_run", "max_logit",
+    "FlexTiledCache", "TileRule", "Tiles", "flex_backward", "flex_forward", "flex_lse", "forward",
+    "make_flex_problem", "make_flex_run", "max_logit",
 ]
 
 DEFAULT_BLOCK_Q = 128  # query rows per tile (PyTorch's BlockMask block)
@@ -95,10 +95,12 @@ def max_logit(row_max, dtype):
     return top.astype(dtype)
 
 
-def flex_forward(q, k, v, score_mod=None, mask_mod=None, scale=None, impl="auto", *, return_max_logit=False,
-                 block_q=None, block_k=None, threads=None):
-    """Attention with a score function and a mask function.  Returns ``(out, cache)``, or
-    ``(out, cache, max_logit)`` with ``return_max_logit=True``.
+def flex_forward(q, k, v, score_mod=None, mask_mod=None, scale=None, impl="auto", *, return_lse=False,
+                 return_max_logit=False, block_q=None, block_k=None, threads=None):
+    """Attention with a score function and a mask function.  Returns ``(out, cache)``; with
+    ``return_lse=True`` the row log-sum-exp (B, H, Lq) follows (FA1; -inf for a row with
+    nothing to attend; its gradient enters :func:`flex_backward` as ``dlse``), with
+    ``return_max_logit=True`` the max logit last: ``(out, cache[, lse][, max_logit])``.
 
     q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv) NumPy arrays of one floating
     dtype, H a multiple of Hkv (query head h reads key/value head h // (H / Hkv)).
@@ -111,11 +113,17 @@ def flex_forward(q, k, v, score_mod=None, mask_mod=None, scale=None, impl="auto"
     ``return_max_logit``: also the (B, H) largest valid score of each head (ML1, after the
     score function and the mask; -inf for a head with none), for QK-clip; no gradient.
     """
-    if not isinstance(return_max_logit, bool):
-        raise TypeError(f"return_max_logit must be True or False; got {return_max_logit!r}")
+    for name, flag in (("return_lse", return_lse), ("return_max_logit", return_max_logit)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be True or False; got {flag!r}")
     prob = make_flex_problem(q, k, v, score_mod, mask_mod, scale)
     out, cache, rows = forward(q, k, v, prob, make_flex_run(impl, block_q, block_k, threads))
-    return (out, cache, max_logit(rows, prob.dtype)) if return_max_logit else (out, cache)
+    result = (out, cache)
+    if return_lse:
+        result += (flex_lse(cache),)
+    if return_max_logit:
+        result += (max_logit(rows, prob.dtype),)
+    return result
 
 
 def flex_lse(cache) -> np.ndarray:
