@@ -28,11 +28,13 @@ from ...runtime.parallel import run_units
 from ...scores import scatter_add
 from ..tiled.loop import preprocess_delta
 from ..tiled.masks import SKIP, used
+from . import compiled
 from .blocks import TileRule, index_grid
 from .problem import FlexProblem
 from .tiles import backward_scores, forward_scores, online_softmax, tile_dsoftmax, tile_exp
 
 GRAD_SLOTS = 4  # units summing captured-tensor gradients into their own float64 partials
+ROUTE = "auto"  # "auto": the compiled route where it applies; "numpy": always the NumPy tile loop (tests)
 
 
 class Tiles(NamedTuple):
@@ -54,6 +56,8 @@ class FlexTiledCache(NamedTuple):
     problem: FlexProblem
     tiles: Tiles
     rule: TileRule  # the mask per tile (its memo serves the backward too)
+    plans: object = None  # the compiled route's mask plans (compiled.Plans), None on the NumPy route
+    route: str = "numpy"  # "compiled" (the score function in compiled tile loops, .compiled) or "numpy"
 
 
 def _kern(prob: FlexProblem):
@@ -62,7 +66,19 @@ def _kern(prob: FlexProblem):
 
 def forward(q, k, v, prob: FlexProblem, tiles: Tiles, rule: TileRule):
     """Returns ``(cache, row_max)``: row_max (B, H, Lq) float64, each row's largest valid
-    score, -inf for a row with none (ML1)."""
+    score, -inf for a row with none (ML1).  The compiled route (:mod:`.compiled`) where it
+    applies, else the NumPy tile loop below."""
+    found = compiled.kernels(prob) if ROUTE != "numpy" else None
+    done = None if found is None else compiled.forward(q, k, v, prob, tiles, rule, found)
+    if done is not None:
+        out, lse, nkeys, top, plans = done
+        flat = nkeys < 2
+        return FlexTiledCache(q, k, v, out, lse, flat if flat.any() else None, prob, tiles, rule, plans,
+                              "compiled"), top
+    return _forward_numpy(q, k, v, prob, tiles, rule)
+
+
+def _forward_numpy(q, k, v, prob: FlexProblem, tiles: Tiles, rule: TileRule):
     B, H, _, Lq, Lk, _, Dv = prob.shape
     G = prob.shape.group
     bq, bk = tiles.block_q, tiles.block_k
@@ -119,7 +135,17 @@ def forward(q, k, v, prob: FlexProblem, tiles: Tiles, rule: TileRule):
 
 
 def backward(cache: FlexTiledCache, do_all, dlse=None) -> dict:
-    """Closed-form gradients: "q", "k", "v" and each captured tensor's (A4-A9, FX2, FX3)."""
+    """Closed-form gradients: "q", "k", "v" and each captured tensor's (A4-A9, FX2, FX3),
+    on the route the forward took."""
+    if cache.route == "compiled":
+        found = compiled.kernels(cache.problem)
+        grads = None if found is None else compiled.backward(cache, do_all, dlse, found)
+        if grads is not None:
+            return grads
+    return _backward_numpy(cache, do_all, dlse)
+
+
+def _backward_numpy(cache: FlexTiledCache, do_all, dlse=None) -> dict:
     prob, tiles = cache.problem, cache.tiles
     B, H, Hkv, Lq, Lk, D, Dv = prob.shape
     cdt = prob.cdt
