@@ -7,9 +7,9 @@ keys ``c0 .. c0 + len(row) - 1`` of head ``h`` of batch row ``b``:
 - ``score_fwd_row(row, b, h, i, c0, caps)``: row[j] <- f(row[j], b, h, i, c0 + j) (FX1);
 - ``score_bwd_row(row, dsc, dr, b, h, i, c0, caps)``: the same, with ∂f/∂S⁰ into ``dsc``
   (FX2) and each read's ∂f/∂θ into ``dr[r]`` (FX3);
-- ``scatter_row(ds, dr, allowed, masked, b, h, i, c0, caps, parts)``: parts[r][idx] +=
+- ``scatter_row(ds, dr, allowed, a0, masked, b, h, i, c0, caps, parts)``: parts[r][idx] +=
   ds[j] · dr[r, j] in float64 at each read's (wrapped) index, entries where ``masked`` and
-  not ``allowed[j]`` skipped (FX3);
+  not ``allowed[a0 + j]`` add 0 (FX3);
 
 and the constants ``N_READS`` and ``HAS_DSCORE`` (False when ∂f/∂S⁰ is the constant 1).
 The score and its derivatives are one straight-line program per entry (each node once,
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 
+from .affine import affine
 from .derived import Derived
 from .nodes import BOOL, FLOAT, INT, Node, walk
 from .render import divisor
@@ -51,10 +52,12 @@ class Unsupported(Exception):
 class _Writer:
     """Statements for the nodes of one function, each node once, and the float constants."""
 
-    def __init__(self, consts: dict):
+    def __init__(self, consts: dict, fast: bool = False, prefix: str = "v"):
         self.consts = consts  # repr of the value -> constant name (shared by the module)
         self.names: dict = {}  # id(node) -> variable
         self.lines: list = []
+        self.fast = fast  # reads known in range (checked at the row's ends): no wrap, no check
+        self.prefix = prefix  # of the variables' names
 
     def const(self, value) -> str:
         key = repr(float(value))
@@ -68,7 +71,7 @@ class _Writer:
                 self.names[id(n)] = self._node(n)
 
     def _var(self, n: Node, expr: str) -> str:
-        name = f"v{len(self.names)}"
+        name = f"{self.prefix}{len(self.names)}"
         self.lines.append(f"{name} = {expr}")
         return name
 
@@ -91,6 +94,8 @@ class _Writer:
 
     def _gather(self, n: Node, a: list) -> str:
         cap = f"cap{n.data}"
+        if self.fast:  # unsigned: numba adds no wrap-around select, LLVM sees a strided load
+            return self._var(n, f"{cap}[{', '.join(f'np.uint64({x})' for x in a) or '0'}]")
         idx = []
         for d, x in enumerate(a):
             w = f"g{len(self.names)}_{d}"
@@ -101,7 +106,7 @@ class _Writer:
             idx.append(w)
         return self._var(n, f"{cap}[{', '.join(idx) or '0'}]")
 
-    def _expr(self, n: Node, a: list) -> str:  # noqa: C901 - one case per operation
+    def _expr(self, n: Node, a: list) -> str:
         op, kind = n.op, n.kind
         if op == "mul" and kind == FLOAT and n.args[0].is_const and not isinstance(n.args[0].data, float):
             d = divisor(n.args[0].data)
@@ -148,12 +153,65 @@ class _Writer:
         raise Unsupported(op)
 
 
+def _index(w: _Writer, g: Node) -> str:
+    """The index of read ``g`` as the writer formed it (its last statement read the tensor there)."""
+    read = w.lines.pop()  # "vN = capS[idx]": the read itself is not needed, only where it was
+    return read[read.index("[") + 1:-1]
+
+
 def _body(w: _Writer, indent: str) -> list:
     return [indent + line for line in w.lines]
 
 
 def _unpack(slots) -> list:
     return [f"    cap{s} = caps[{s}]" for s in sorted(slots)]
+
+
+def _gathers(roots) -> list:
+    return [n for n in walk(roots) if n.op == "gather"]
+
+
+def _ends_check(roots, consts: dict) -> list | None:
+    """Statements setting ``ends`` to whether every read of ``roots`` is in range (no wrap)
+    at both ends of the row, where each read's index is affine in the positions (then
+    monotone along the row: the ends bound it); None where one is not."""
+    reads = _gathers(roots)
+    if any(affine(x) is None for g in reads for x in g.args):
+        return None
+    lines = ["ends = True"]
+    for j in ("c0", "c0 + row.shape[0] - 1"):
+        w = _Writer(consts, prefix="e")
+        w.emit([x for g in reads for x in g.args])
+        lines += [f"j = {j}", *w.lines]
+        for g in reads:
+            for d, x in enumerate(g.args):
+                v = w.names[id(x)]
+                lines.append(f"ends &= ({v} >= 0) & ({v} < cap{g.data}.shape[{d}])")
+    return lines
+
+
+def _row_function(head: str, roots, store, consts: dict, prologue=()) -> list:
+    """A row function: per entry the program of ``roots`` then ``store(writer)`` (lines);
+    where every read is affine and in range at the row's ends, a loop with no index checks
+    (vectorisable), else one that wraps and checks every index."""
+    caps = {g.data for g in _gathers(roots)}
+    lines = [head, *_unpack(caps)]
+    loop = ["for jj in range(row.shape[0]):"]
+    loop += ["    j = c0 + jj", *("    " + x for x in prologue)]
+    check = _ends_check(roots, consts) if caps else None
+    if check is not None:
+        fast = _Writer(consts, fast=True)
+        fast.emit(roots)
+        lines += ["    if row.shape[0] == 0:", "        return True", *("    " + x for x in check), "    if ends:"]
+        stored = store(fast)  # (first: it may take the writer's last statement)
+        lines += ["        " + x for x in loop] + _body(fast, "            ") + ["            " + x for x in stored]
+        lines += ["        return True"]
+    slow = _Writer(consts)
+    slow.emit(roots)
+    stored = store(slow)
+    lines += ["    ok = True", *("    " + x for x in loop), *_body(slow, "        "),
+              *("        " + x for x in stored), "    return ok", "", ""]
+    return lines
 
 
 def row_functions(derived: Derived, dtype: str) -> str:
@@ -164,38 +222,27 @@ def row_functions(derived: Derived, dtype: str) -> str:
     reads = derived.reads
     caps = {n.data for n in walk([f, ds, *(r.d for r in reads)]) if n.op == "gather"}
     caps |= {n.data for r in reads for n in walk(r.gather.args) if n.op == "gather"}
-    out = []
+    out = ["@_jit_row"]
+    out += _row_function("def score_fwd_row(row, b, h, i, c0, caps):", [f],
+                         lambda w: [f"row[jj] = {w.names[id(f)]}"], consts, ["s0 = row[jj]"])
+    roots = [f, ds, *(r.d for r in reads)]
 
-    fw = _Writer(consts)
-    fw.emit([f])
-    out += ["@_jit_row", "def score_fwd_row(row, b, h, i, c0, caps):", *_unpack(caps), "    ok = True",
-            "    for jj in range(row.shape[0]):", "        j = c0 + jj", "        s0 = row[jj]",
-            *_body(fw, "        "), f"        row[jj] = {fw.names[id(f)]}", "    return ok", "", ""]
+    def store(w):
+        return [f"row[jj] = {w.names[id(f)]}", f"dsc[jj] = {w.names[id(ds)]}",
+                *(f"dr[{k}, jj] = {w.names[id(r.d)]}" for k, r in enumerate(reads))]
 
-    bw = _Writer(consts)
-    bw.emit([f, ds, *(r.d for r in reads)])
-    store = [f"        row[jj] = {bw.names[id(f)]}", f"        dsc[jj] = {bw.names[id(ds)]}"]
-    store += [f"        dr[{k}, jj] = {bw.names[id(r.d)]}" for k, r in enumerate(reads)]
-    out += ["@_jit_row", "def score_bwd_row(row, dsc, dr, b, h, i, c0, caps):", *_unpack(caps), "    ok = True",
-            "    for jj in range(row.shape[0]):", "        j = c0 + jj", "        s0 = row[jj]",
-            *_body(bw, "        "), *store, "    return ok", "", ""]
-
-    out += ["@_jit_row", "def scatter_row(ds, dr, allowed, masked, b, h, i, c0, caps, parts):", *_unpack(caps),
-            "    ok = True"]
+    out += ["@_jit_row"]
+    out += _row_function("def score_bwd_row(row, dsc, dr, b, h, i, c0, caps):", roots, store, consts,
+                         ["s0 = row[jj]"])
+    # scatter_row: one function, a loop per read; the rows' names are those of the others
+    out += ["@_jit_row", "def scatter_row(ds, dr, allowed, a0, masked, b, h, i, c0, caps, parts):",
+            "    row = ds", "    ok = True"]
     for k, r in enumerate(reads):
-        sw = _Writer(consts)
-        sw.emit(r.gather.args)
-        cap = f"cap{r.gather.data}"
-        idx = []
-        for d, x in enumerate(sw.names[id(a)] for a in r.gather.args):
-            w = f"t{d}"
-            size = f"{cap}.shape[{d}]"
-            sw.lines += [f"{w} = {x} + {size} if {x} < 0 else {x}", f"ok &= ({w} >= 0) & ({w} < {size})",
-                         f"{w} = {w} if ({w} >= 0) & ({w} < {size}) else 0"]
-            idx.append(w)
-        out += [f"    part = parts[{k}]", "    for jj in range(ds.shape[0]):",
-                "        if masked and not allowed[jj]:", "            continue", "        j = c0 + jj",
-                *_body(sw, "        "), f"        part[{', '.join(idx) or '0'}] += np.float64(ds[jj] * dr[{k}, jj])"]
+        fn = _row_function(f"def _scatter{k}(row, dr, allowed, a0, masked, b, h, i, c0, caps, part):", [r.gather],
+                           lambda w, k=k, r=r: [f"part[{_index(w, r.gather)}] += _masked(row[jj] * dr[{k}, jj], "
+                                                f"masked, allowed[a0 + jj])"], consts)
+        out = ["@_jit_row", *fn, *out]
+        out += [f"    ok &= _scatter{k}(row, dr, allowed, a0, masked, b, h, i, c0, caps, parts[{k}])"]
     out += ["    return ok", "", ""]
 
     head = [f"_F = np.{dtype}", "_ONE = _F(1.0)", "_ZERO = _F(0.0)", f"N_READS = {len(reads)}",

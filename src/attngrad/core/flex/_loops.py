@@ -58,6 +58,12 @@ def _fsign(x):
     return narrow(x, 1.0) if x > 0 else narrow(x, -1.0) if x < 0 else x * narrow(x, 0.0)
 
 
+@_jit_row
+def _masked(w, masked, allowed):
+    """w in float64, or 0 for an entry the mask leaves out (a select: the loop stays vector)."""
+    return np.float64(w) if allowed or not masked else 0.0
+
+
 def score_fwd_row(row, b, h, i, c0, caps):  # pragma: no cover - replaced by the generated function
     raise NotImplementedError
 
@@ -66,7 +72,7 @@ def score_bwd_row(row, dsc, dr, b, h, i, c0, caps):  # pragma: no cover - replac
     raise NotImplementedError
 
 
-def scatter_row(ds, dr, allowed, masked, b, h, i, c0, caps, parts):  # pragma: no cover - replaced
+def scatter_row(ds, dr, allowed, a0, masked, b, h, i, c0, caps, parts):  # pragma: no cover - replaced
     raise NotImplementedError
 
 
@@ -237,7 +243,7 @@ def bwd_head(blas, q, k, v, do, lse, delta, dl, has_dl, flat, has_flat, dq, dk, 
             for i in range(nr):
                 gi = q0 + r0 + i
                 row = p[i]
-                ok &= score_bwd_row(row, dsc[i], dr_buf[i, :, :nc], b, h, gi, k0 + c0, caps)  # (FX1-FX3)
+                ok &= score_bwd_row(row, dsc[i], dr_buf[i], b, h, gi, k0 + c0, caps)  # (FX1-FX3)
                 exp_row(row, lse[gi])  # (FA2) P = e^(S - lse)
                 if masked:
                     for j in range(nc):
@@ -254,20 +260,20 @@ def bwd_head(blas, q, k, v, do, lse, delta, dl, has_dl, flat, has_flat, dq, dk, 
                         row[j] = narrow(row[j], prow[j] * dl[gi]) if has_dl else zero
                 else:
                     dsoftmax_row(row, prow, delta[gi])  # (A7) dS = P (dP - delta)
-                arow = a[r0 + i, c0:c1]
+                arow = a[r0 + i]  # (C-contiguous rows, whole: their layout lets LLVM vectorise the row loops)
                 if masked:
                     for j in range(nc):
-                        if not arow[j]:
+                        if not arow[c0 + j]:
                             row[j] = zero  # (FX4)
                 if N_READS:  # (FX3) dθ[idx] += dS ∘ ∂S/∂θ
-                    ok &= scatter_row(row, dr_buf[i, :, :nc], arow, masked, b, h, gi, k0 + c0, caps, parts)
+                    ok &= scatter_row(row, dr_buf[i], arow, c0, masked, b, h, gi, k0 + c0, caps, parts)
                 if HAS_DSCORE:  # (FX2) dS⁰ = dS ∘ ∂S/∂S⁰
                     drow = dsc[i]
                     for j in range(nc):
                         row[j] = row[j] * drow[j]
                     if masked:
                         for j in range(nc):
-                            if not arow[j]:
+                            if not arow[c0 + j]:
                                 row[j] = zero
             gemm(blas, ds, True, qt, False, dk[k0 + c0:k0 + c1], 1.0, 1.0)  # (A9) dK += dS0^T Q
             gemm(blas, ds, False, kt_, False, dq[q0 + r0:q0 + r1], 1.0, 1.0)  # (A8) dQ += dS0 K

@@ -180,7 +180,7 @@ def forward(q, k, v, prob: FlexProblem, tiles, rule, found):
     """The compiled forward: ``(out, lse, nkeys, top, plans)`` (as :func:`.tiled.forward`
     forms them), or None where a captured tensor was read out of range."""
     module, blas = found
-    B, H, _, Lq, Lk, D, Dv = prob.shape
+    B, H, _, Lq, _, D, Dv = prob.shape
     G = prob.shape.group
     bq, bk = tiles.block_q, tiles.block_k
     cdt = prob.cdt
