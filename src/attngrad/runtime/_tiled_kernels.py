@@ -29,6 +29,7 @@ from numba import types
 from numba.extending import intrinsic
 
 from ._fused_kernels import _jit, _tail8, dsoftmax_row, exp_row, narrow, online_row, row_dots
+from ._tanh32 import tanh_
 
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112  # CBLAS enums
 
@@ -112,7 +113,9 @@ def _tile_span(lo, hi, q0, q1, k0, k1):
 # PyTorch round them (scale Q K^T, then the soft-cap, then minus the rounded ALiBi term).
 # Fusing ALiBi's subtraction into one rounding breaks the float32 2x rule for dL/dslopes
 # (a sum of dS |pos - j| over distances of ~100).
-@numba.njit(nogil=True, cache=True)
+# error_model="numpy": the division by c has no zero check (c > 0), so the loop vectorises
+# with :func:`._tanh32.tanh32` (float32; float64 keeps libm).
+@numba.njit(nogil=True, cache=True, error_model="numpy")
 def _logits_row(row, gi, c0, softcap, t_row, alibi, slope, offset):
     """(V1, V4) on one row of scale Q K^T in place: S1 = c tanh(S0 / c) (t = tanh kept in
     ``t_row`` when it has the row's length), then - slope |pos(i) - j|."""
@@ -120,7 +123,7 @@ def _logits_row(row, gi, c0, softcap, t_row, alibi, slope, offset):
     if softcap > 0.0:
         keep = t_row.shape[0] == n
         for j in range(n):
-            t = narrow(row[j], math.tanh(row[j] / narrow(row[j], softcap)))
+            t = narrow(row[j], tanh_(row[j] / narrow(row[j], softcap)))
             if keep:
                 t_row[j] = t
             row[j] = t * narrow(row[j], softcap)
