@@ -34,7 +34,7 @@ from fractions import Fraction
 
 from .affine import affine
 from .derived import Derived
-from .nodes import BOOL, FLOAT, INT, Node, walk
+from .nodes import BOOL, FLOAT, INT, Node, const, leaf, walk
 from .render import divisor
 
 _LIBM = {"log": "math.log", "sqrt": "math.sqrt", "sin": "math.sin", "cos": "math.cos",
@@ -214,12 +214,15 @@ def _row_function(head: str, roots, store, consts: dict, prologue=()) -> list:
     return lines
 
 
-def row_functions(derived: Derived, dtype: str) -> str:
-    """The source of the row functions of ``derived`` in ``dtype`` ("float32" or "float64");
+def row_functions(derived: Derived | None, dtype: str) -> str:
+    """The source of the row functions of ``derived`` (None: no score function, S = S⁰) in
+    ``dtype`` ("float32" or "float64");
     :class:`Unsupported` for an operation the compiled route does not take."""
     consts: dict = {}
-    f, ds = derived.expr, derived.d_score
-    reads = derived.reads
+    if derived is None:  # no score function: S = S⁰
+        f, ds, reads = leaf("score"), const(1, FLOAT), ()
+    else:
+        f, ds, reads = derived.expr, derived.d_score, derived.reads
     caps = {n.data for n in walk([f, ds, *(r.d for r in reads)]) if n.op == "gather"}
     caps |= {n.data for r in reads for n in walk(r.gather.args) if n.op == "gather"}
     out = ["@_jit_row"]

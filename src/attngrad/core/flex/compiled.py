@@ -61,7 +61,7 @@ def cache_dir() -> Path:
 
 def source(prob: FlexProblem) -> str | None:
     """The full source of ``prob``'s compiled loops, or None where the route does not apply."""
-    if prob.score is None or prob.cdt not in (np.float32, np.float64):
+    if prob.cdt not in (np.float32, np.float64):
         return None
     try:
         rows = row_functions(prob.score, np.dtype(prob.cdt).name)
@@ -229,8 +229,8 @@ def backward(cache, do_all, dlse, found) -> dict | None:
     dq = np.zeros((B, H, Lq, D), cdt)
     dk = np.zeros((B, Hkv, Lk, D), cdt)
     dv = np.zeros((B, Hkv, Lk, Dv), cdt)
-    reads = prob.score.reads
-    caps_t = prob.score.traced.captured
+    reads = () if prob.score is None else prob.score.reads
+    caps_t = () if prob.score is None else prob.score.traced.captured
     units = [(b, hk) for b in range(B) for hk in range(Hkv)]
     n = min(len(units), GRAD_SLOTS) if reads else len(units)
     slots = [units[s::n] for s in range(n)]
