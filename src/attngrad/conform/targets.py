@@ -5,7 +5,8 @@ and returns the output and the gradients of L = sum(out * dout) as float64 NumPy
 Built-in targets are named (``torch.sdpa``, ``torch.sdpa:math``, ``torch.sdpa:flash``,
 ``torch.naive``, ``torch.flex``, ``jax.dpa``, ``attngrad.dense``, ``attngrad.tiled``); a
 user's function is loaded from ``module:function`` or ``path/to/file.py:function`` and
-called through one of four protocols (``sdpa``, ``flash``, ``flash_varlen``, ``explicit``).
+called through one of the protocols registered in ``protocols.REGISTRY`` (``sdpa``, ``flash``,
+``flash_varlen``, ``explicit``, ``flex``).
 """
 
 from __future__ import annotations
