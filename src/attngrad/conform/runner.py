@@ -239,10 +239,12 @@ def run_case(target, case: GridCase, *, rtol: float, factor: float, floor_ulps: 
     return result
 
 
-def _judged(target, case: GridCase, *, rtol: float, factor: float, floor_ulps: float | None):
+def _judged(target, case: GridCase, *, rtol: float, factor: float, floor_ulps: float | None,
+            problem=None):
     """Run ``case`` on ``target`` and judge it: (problem, ref, got, verdict, reason, errors),
-    or a CaseResult when it cannot be judged (skipped, refused, an answer of the wrong type)."""
-    problem = make_inputs(case)
+    or a CaseResult when it cannot be judged (skipped, refused, an answer of the wrong type).
+    ``problem``: its inputs, when not rebuilt from the case's seed."""
+    problem = make_inputs(case) if problem is None else problem
     plain = None
     if case.dtype != "float64":
         try:
@@ -266,10 +268,10 @@ def _judged(target, case: GridCase, *, rtol: float, factor: float, floor_ulps: f
     return problem, ref, got, verdict, reason, errors
 
 
-def _ratio(target, case: GridCase, **judge_kw) -> float | None:
+def _ratio(target, case: GridCase, problem=None, **judge_kw) -> float | None:
     """The largest error / allowed of ``case`` on ``target`` (None: not judged by error)."""
     try:
-        out = _judged(target, case, **judge_kw)
+        out = _judged(target, case, problem=problem, **judge_kw)
     except Exception:  # a rerun for a hint never costs the verdict
         return None
     if isinstance(out, CaseResult) or not out[5]:
@@ -283,8 +285,10 @@ def rerun_hints(target, case: GridCase, errors: dict, **judge_kw) -> list:
     from .diagnose import growth_hint, layout_hint
 
     found = []
-    if case.layout != "contiguous":
-        hint = layout_hint(_ratio(target, replace(case, layout="contiguous"), **judge_kw), case.layout)
+    if case.layout != "contiguous":  # the same values, contiguous
+        flat = replace(case, layout="contiguous")
+        same = replace(make_inputs(case), case=flat)  # a CaseInputs with the case's own values
+        hint = layout_hint(_ratio(target, flat, problem=same, **judge_kw), case.layout)
         found += [hint] if hint else []
     if case.dtype != "float64" and not case.frontier and max(case.lq, case.lk) >= 256 and errors:
         own = max(e.err / e.allowed for e in errors.values() if e.allowed > 0)
