@@ -2,6 +2,8 @@
 
 Contenders, round-robin, float32, B=1, H=8, D=64, causal, at each N:
 
+- ``builtin causal``: ``sdpa_forward(causal=True, impl="tiled")`` and its backward (no score
+  function at all: the floor the others are measured against);
 - ``builtin softcap``: ``sdpa_forward(softcap=30, causal=True, impl="tiled")`` and its backward;
 - ``flex softcap``: ``flex_forward(score_mod=30 tanh(s/30), mask_mod=q >= kv, impl="tiled")``
   and ``flex_backward`` (the derived derivative, tiles skipped by the mask);
@@ -10,7 +12,9 @@ Contenders, round-robin, float32, B=1, H=8, D=64, causal, at each N:
 - ``eager softcap`` / ``eager softcap+bias``: the same score functions in PyTorch float32
   eager autograd (the scores in full: O(N^2) memory) -- skipped without torch.
 
-Goals: flex softcap <= 1.25x builtin softcap; eager >= 10x flex.  Times are medians of
+Goals: flex softcap <= 1.25x builtin softcap; eager >= 10x flex.  The flex rows run the
+compiled route (the score function inside numba tile loops: attngrad.core.flex.compiled);
+the first round compiles it, or loads it from the disk cache.  Times are medians of
 ``--repeats`` rounds after a warm-up round.  ``--memory`` (default) also runs each contender
 once in a child process and reports its peak resident memory above the inputs' (MiB).
 
@@ -58,9 +62,11 @@ def contenders(n: int, threads):
     def causal(b, h, q_idx, kv_idx):
         return q_idx >= kv_idx
 
-    def builtin():
-        _, c = ag.sdpa_forward(q, k, v, softcap=CAP, causal=True, impl="tiled", threads=threads)
-        ag.sdpa_backward(do, c)
+    def builtin(softcap):
+        def run():
+            _, c = ag.sdpa_forward(q, k, v, softcap=softcap, causal=True, impl="tiled", threads=threads)
+            ag.sdpa_backward(do, c)
+        return run
 
     def flex(score):
         def run():
@@ -68,7 +74,8 @@ def contenders(n: int, threads):
             ag.flex_backward(do, c)
         return run
 
-    out = {"builtin softcap": builtin, "flex softcap": flex(softcap), "flex softcap+bias": flex(softcap_bias)}
+    out = {"builtin causal": builtin(None), "builtin softcap": builtin(CAP), "flex softcap": flex(softcap),
+           "flex softcap+bias": flex(softcap_bias)}
     try:
         import torch
     except ImportError:
@@ -145,7 +152,10 @@ def main() -> None:
         for name, t in med.items():
             ratio = ""
             if name == "flex softcap":
-                ratio = f"{t / med['builtin softcap']:.2f}x builtin softcap (goal <= 1.25x)"
+                ratio = (f"{t / med['builtin softcap']:.2f}x builtin softcap (goal <= 1.25x), "
+                         f"{t / med['builtin causal']:.2f}x builtin causal")
+            elif name == "flex softcap+bias":
+                ratio = f"{t / med['builtin causal']:.2f}x builtin causal"
             elif name.startswith("eager"):
                 flex_t = med[name.replace("eager", "flex")]
                 ratio = f"{t / flex_t:.1f}x slower than {name.replace('eager', 'flex')} (goal >= 10x)"

@@ -5,7 +5,8 @@ kv_idx)`` are traced once on symbols (:mod:`.trace`, :mod:`.symbols`: Python ope
 NumPy or PyTorch) into an expression form of attngrad's own (:mod:`.nodes`, built and
 simplified by :mod:`.algebra`), differentiated symbolically (:mod:`.derivative`,
 :mod:`.derived`), printed (:mod:`.render`) and evaluated tile by tile with one NumPy
-operation per node (:mod:`.program`).  The attention paths that take them are in
+operation per node (:mod:`.program`) or, on the tiled path, written as numba source for
+compiled tile loops (:mod:`.codegen`).  The attention paths that take them are in
 :mod:`attngrad.core.flex`; the built-in variants written as score and mask functions are
 in :mod:`.variants`.
 """
