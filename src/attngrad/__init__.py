@@ -52,6 +52,7 @@ __all__ = [
     "masked_softmax",
     "mha_backward",
     "mha_forward",
+    "numeric_walkthrough",
     "params_from_torch",
     "params_to_torch",
     "rope_backward",
@@ -63,3 +64,14 @@ __all__ = [
     "sdpa_varlen_forward",
     "set_num_threads",
 ]
+
+
+def __getattr__(name: str):
+    """``attngrad.numeric_walkthrough`` (:func:`attngrad.formulas.numeric_walkthrough`),
+    imported on first use: the formula catalogue is not loaded with the package."""
+    if name == "numeric_walkthrough":
+        from .formulas import numeric_walkthrough
+
+        return numeric_walkthrough
+    raise AttributeError(f"module 'attngrad' has no attribute {name!r}")
+
