@@ -160,3 +160,22 @@ def test_tanh32_within_one_and_a_half_ulp():
     vtanh(special, out)
     assert np.array_equal(out[:7], [0.0, -0.0, 1.0, -1.0, np.nan, 1.0, -1.0], equal_nan=True)
     assert np.signbit(out[1]) and not np.signbit(out[0]) and out[7] == special[7]
+
+
+def test_loops_numba_cannot_compile_fall_back_with_a_warning(monkeypatch):
+    real = compiled.row_functions
+
+    def broken(derived, dtype):  # a row function numba cannot type, last in the module
+        return real(derived, dtype) + (
+            "\n\n@_jit_row\ndef score_fwd_row(row, b, h, i, c0, caps):\n    return row.no_such_attribute\n")
+
+    monkeypatch.setattr(compiled, "row_functions", broken)
+    q, k, v, g, _ = inputs(7)
+    sm = lambda s, b, h, i, j: 2 * np.tanh(s / 2) - 0.25 * (i - j)
+    with pytest.warns(RuntimeWarning, match="failed to compile"):
+        out, cache = attngrad.flex_forward(q, k, v, sm, MASKS["causal"], impl="tiled", **TILES)
+    assert cache.route == "numpy"
+    monkeypatch.setattr(tiled, "ROUTE", "numpy")
+    want, ref = attngrad.flex_forward(q, k, v, sm, MASKS["causal"], impl="tiled", **TILES)
+    assert np.array_equal(out, want)
+    assert np.array_equal(attngrad.flex_backward(g, cache)["q"], attngrad.flex_backward(g, ref)["q"])

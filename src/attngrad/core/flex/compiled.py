@@ -11,7 +11,8 @@ keeping the machine code next to it.  The route is taken where the fused kernels
 (:func:`attngrad.runtime.fused.tile_loops`: numba and a CBLAS), the compute dtype is
 float32 or float64, both lengths are non-zero and every operation of the score function has
 a compiled form; otherwise, or where a captured tensor is read out of range (so that the
-NumPy route raises the IndexError naming it), :mod:`.tiled`'s NumPy tile loop runs.
+NumPy route raises the IndexError naming it), :mod:`.tiled`'s NumPy tile loop runs (and
+where numba fails to compile the loops, with a RuntimeWarning saying so).
 
 The mask is a plan per head and run of query tiles (:class:`Plans`): the tile rule's SKIP,
 FULL or partial answer per tile, the partial tiles' allowed entries stacked.  A run holds at
@@ -32,6 +33,7 @@ import os
 import sys
 import tempfile
 import threading
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -99,6 +101,21 @@ def _load(text: str):
         except OSError:
             continue
     return None  # pragma: no cover - no writable folder
+
+
+def _failed(prob: FlexProblem, exc: Exception) -> None:
+    """numba could not compile ``prob``'s loops: the NumPy route from now on, with a warning."""
+    with _LOCK:
+        _MODULES[source(prob)] = None
+    warnings.warn(f"flex: the score function's compiled tile loops failed to compile ({type(exc).__name__}: "
+                  f"{str(exc).splitlines()[0] if str(exc) else ''}); the NumPy tile loop runs instead",
+                  RuntimeWarning, stacklevel=4)
+
+
+def _compile_errors() -> tuple:
+    from numba.core.errors import NumbaError
+
+    return (NumbaError,)
 
 
 def kernels(prob: FlexProblem):
@@ -209,7 +226,11 @@ def forward(q, k, v, prob: FlexProblem, tiles, rule, found):
                                    nkeys[b, h], plan, allowed, plans.runs[run][0], scale, bq, bk, b, h, caps,
                                    s_buf, pv_buf, m, l, rows, cols, zq, zk, zv)
 
-    run_units(work, B * H * len(plans.runs), tiles.threads, blas=not fused.private_blas())
+    try:
+        run_units(work, B * H * len(plans.runs), tiles.threads, blas=not fused.private_blas())
+    except _compile_errors() as exc:  # (an expression whose loops numba cannot type: none known)
+        _failed(prob, exc)
+        return None
     if not ok.all():
         return None
     return out, lse, nkeys, top, plans
@@ -270,7 +291,11 @@ def backward(cache, do_all, dlse, found) -> dict | None:
                 dq[b, h] *= prob.scale  # (A8)
             dk[b, hk] *= prob.scale  # (A9)
 
-    run_units(work, len(slots), tiles.threads, blas=not fused.private_blas())
+    try:
+        run_units(work, len(slots), tiles.threads, blas=not fused.private_blas())
+    except _compile_errors() as exc:
+        _failed(prob, exc)
+        return None
     if not ok.all():
         return None
     grads = {"q": dq, "k": dk, "v": dv}
