@@ -26,6 +26,7 @@ import math
 import numba
 import numpy as np
 
+from attngrad.core.flex._rows import _box, _fmax, _fmin, _fsign, _masked, _zeroed
 from attngrad.runtime._fused_kernels import dsoftmax_row, exp_, exp_row, narrow, online_row
 from attngrad.runtime._tanh32 import tanh_
 from attngrad.runtime._tiled_kernels import gemm
@@ -37,31 +38,7 @@ SKIP, FULL = -1, -2  # plan codes; >= 0: a partial tile's table
 _jit = numba.njit(nogil=True, cache=True, error_model="numpy", _nrt=False)
 # the generated row functions: FMA contraction only ("contract"; every other step rounds as written)
 _jit_row = numba.njit(fastmath={"contract"}, nogil=True, cache=True, error_model="numpy", _nrt=False)
-_UNUSED = (tanh_, exp_, math)  # names the generated row functions use
-
-
-@_jit_row
-def _fmax(x, y):
-    """np.maximum: NaN if either is NaN."""
-    return x if x > y or x != x else y
-
-
-@_jit_row
-def _fmin(x, y):
-    """np.minimum: NaN if either is NaN."""
-    return x if x < y or x != x else y
-
-
-@_jit_row
-def _fsign(x):
-    """np.sign: -1, 0 or 1, NaN for NaN."""
-    return narrow(x, 1.0) if x > 0 else narrow(x, -1.0) if x < 0 else x * narrow(x, 0.0)
-
-
-@_jit_row
-def _masked(w, masked, allowed):
-    """w in float64, or 0 for an entry the mask leaves out (a select: the loop stays vector)."""
-    return np.float64(w) if allowed or not masked else 0.0
+_UNUSED = (tanh_, exp_, math, _fmax, _fmin, _fsign, _masked)  # names the generated row functions use
 
 
 def score_fwd_row(row, b, h, i, c0, caps):  # pragma: no cover - replaced by the generated function
@@ -74,47 +51,6 @@ def score_bwd_row(row, dsc, dr, b, h, i, c0, caps):  # pragma: no cover - replac
 
 def scatter_row(ds, dr, allowed, a0, masked, b, h, i, c0, caps, parts):  # pragma: no cover - replaced
     raise NotImplementedError
-
-
-@_jit
-def _box(a, nr, nc, rows, cols):
-    """Rows [r0, r1) and keys [c0, c1) of an (nr, nc) table of allowed entries that some
-    allowed entry uses; ``rows``, ``cols`` (>= nr, nc) bool scratch set to which do; and
-    whether a row or key inside the box is unused (a hole)."""
-    for j in range(nc):
-        cols[j] = False
-    r0, r1 = nr, nr
-    for i in range(nr):
-        any_ = False
-        for j in range(nc):
-            if a[i, j]:
-                any_ = True
-                cols[j] = True
-        rows[i] = any_
-        if any_:
-            if r0 == nr:
-                r0 = i
-            r1 = i + 1
-    c0, c1 = nc, nc
-    for j in range(nc):
-        if cols[j]:
-            if c0 == nc:
-                c0 = j
-            c1 = j + 1
-    holes = False
-    for i in range(r0, r1):
-        holes |= not rows[i]
-    for j in range(c0, c1):
-        holes |= not cols[j]
-    return r0, r1, c0, c1, holes
-
-
-@_jit
-def _zeroed(src, used, dst):
-    """dst[i] <- src[i] where used[i], else 0 (rows of a tile operand)."""
-    for i in range(src.shape[0]):
-        for d in range(src.shape[1]):
-            dst[i, d] = src[i, d] if used[i] else narrow(dst[i, d], 0.0)
 
 
 @_jit
