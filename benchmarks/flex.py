@@ -16,7 +16,8 @@ Goals: flex softcap <= 1.25x builtin softcap; eager >= 10x flex.  The flex rows 
 compiled route (the score function inside numba tile loops: attngrad.core.flex.compiled);
 the first round compiles it, or loads it from the disk cache.  Times are medians of
 ``--repeats`` rounds after a warm-up round.  ``--memory`` (default) also runs each contender
-once in a child process and reports its peak resident memory above the inputs' (MiB).
+in a child process, warm, and reports the peak resident memory of one run above the memory in
+use before it (MiB).
 
     python benchmarks/flex.py [--sizes 4096] [--repeats 3] [--threads N] [--no-memory]
 """
@@ -111,12 +112,36 @@ def _peak_child(name: str, n: int, threads) -> float:
     return json.loads(res.stdout.strip().splitlines()[-1])["peak_mib"]
 
 
+def _status_kib(field: str) -> int | None:
+    """A memory field of /proc/self/status (KiB), None where there is none (not Linux)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:  # pragma: no cover - not Linux
+        pass
+    return None
+
+
 def _child(name: str, n: int, threads) -> None:
+    """One warm run (the compiled kernels loaded, the caches filled), then the peak of a second
+    run above the memory in use before it.  Linux: the peak (VmHWM) reset first through
+    /proc/self/clear_refs (ru_maxrss keeps the parent's peak across fork and exec, and the first
+    run's); elsewhere ru_maxrss, which may then read 0."""
     run = contenders(n, threads)[name]
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     run()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"peak_mib": (peak - base) / 1024}))
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM to the current resident size
+        base = _status_kib("VmRSS")
+    except OSError:  # pragma: no cover - not Linux
+        base = None
+    if base is None:  # pragma: no cover
+        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    run()
+    peak = _status_kib("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"peak_mib": max(peak - base, 0) / 1024}))
 
 
 def main() -> None:

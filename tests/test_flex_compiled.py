@@ -58,6 +58,7 @@ def both_routes(monkeypatch, q, k, v, g, score, mask, **kw):
         monkeypatch.setattr(tiled, "ROUTE", route)
         out, cache = attngrad.flex_forward(q, k, v, score, mask, impl="tiled", **TILES, **kw)
         results.append((out, attngrad.flex_backward(g, cache), cache.route))
+    monkeypatch.setattr(tiled, "ROUTE", "auto")
     return results
 
 
@@ -125,12 +126,20 @@ def test_runs_of_query_tiles_change_no_bit(monkeypatch):
         assert np.array_equal(a[name], b[name]), name
 
 
-def test_one_compiled_module_per_score_function_text():
-    q, k, v, _, _ = inputs(5)
+def test_one_compiled_module_per_score_function_text(monkeypatch):
+    """Equal functions share one module; so do functions that differ only in their numbers
+    (read at run time: a relative-bias offset N - 1 compiles once for every N)."""
+    q, k, v, g, _ = inputs(5)
     one = attngrad.flex_forward(q, k, v, lambda s, b, h, i, j: 3 * np.tanh(s / 3), impl="tiled", **TILES)[1]
     two = attngrad.flex_forward(q, k, v, lambda s, b, h, i, j: 3.0 * np.tanh(s / 3.0), impl="tiled", **TILES)[1]
     assert compiled.source(one.problem) == compiled.source(two.problem)
     assert compiled.kernels(one.problem)[0] is compiled.kernels(two.problem)[0]
+    other = lambda s, b, h, i, j: 7 * np.tanh(s / 7)
+    (out, grads, route), (out_np, grads_np, _) = both_routes(monkeypatch, q, k, v, g, other, None)
+    assert route == "compiled" and compiled.source(one.problem) == compiled.source(
+        attngrad.flex_forward(q, k, v, other, impl="tiled", **TILES)[1].problem)
+    close(out, out_np, 1e-12)
+    close(grads["q"], grads_np["q"], 1e-12)
     f32 = attngrad.flex_forward(*(a.astype(np.float32) for a in (q, k, v)), lambda s, b, h, i, j: 3 * np.tanh(s / 3),
                                 impl="tiled", **TILES)[1]
     assert f32.route == "compiled" and compiled.source(f32.problem) != compiled.source(one.problem)
@@ -166,8 +175,9 @@ def test_loops_numba_cannot_compile_fall_back_with_a_warning(monkeypatch):
     real = compiled.row_functions
 
     def broken(derived, dtype):  # a row function numba cannot type, last in the module
-        return real(derived, dtype) + (
-            "\n\n@_jit_row\ndef score_fwd_row(row, b, h, i, c0, caps):\n    return row.no_such_attribute\n")
+        rows = real(derived, dtype)
+        return rows._replace(source=rows.source + (
+            "\n\n@_jit_row\ndef score_fwd_row(row, b, h, i, c0, caps):\n    return row.no_such_attribute\n"))
 
     monkeypatch.setattr(compiled, "row_functions", broken)
     q, k, v, g, _ = inputs(7)

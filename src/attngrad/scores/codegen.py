@@ -31,6 +31,7 @@ text: the cache key of the compiled code (:mod:`attngrad.core.flex.compiled`).
 from __future__ import annotations
 
 from fractions import Fraction
+from typing import NamedTuple
 
 from .affine import affine
 from .derived import Derived
@@ -49,21 +50,41 @@ class Unsupported(Exception):
     """An expression the compiled route does not take (the NumPy route does)."""
 
 
+class Constants:
+    """The numbers of an expression, in order of first use: they are read at run time from
+    two arrays that follow the captured arrays in the row functions' ``caps`` (floats in the
+    compute dtype, ints as int64), so the source, and the compiled code, do not depend on
+    them (bias[h, q_idx - kv_idx + N - 1] compiles once for every N)."""
+
+    def __init__(self, n_captured: int):
+        self.n_captured = n_captured
+        self.floats: dict = {}  # repr of the value -> position
+        self.ints: dict = {}
+
+    @staticmethod
+    def index(table: dict, value) -> int:
+        key = repr(value)
+        if key not in table:
+            table[key] = (len(table), value)
+        return table[key][0]
+
+    def values(self, table: dict) -> tuple:
+        return tuple(v for _, v in sorted(table.values(), key=lambda t: t[0]))
+
+
 class _Writer:
     """Statements for the nodes of one function, each node once, and the float constants."""
 
-    def __init__(self, consts: dict, fast: bool = False, prefix: str = "v"):
-        self.consts = consts  # repr of the value -> constant name (shared by the module)
+    def __init__(self, consts: Constants, fast: bool = False, prefix: str = "v"):
+        self.consts = consts  # the numbers, read at run time (shared by the module)
         self.names: dict = {}  # id(node) -> variable
         self.lines: list = []
         self.fast = fast  # reads known in range (checked at the row's ends): no wrap, no check
         self.prefix = prefix  # of the variables' names
 
     def const(self, value) -> str:
-        key = repr(float(value))
-        if key not in self.consts:
-            self.consts[key] = f"K{len(self.consts)}"
-        return self.consts[key]
+        """A float constant: an element of ``fk`` (the compute dtype), read at run time."""
+        return f"fk{self.consts.index(self.consts.floats, float(value))}"
 
     def emit(self, roots) -> None:
         for n in walk(roots):
@@ -86,7 +107,7 @@ class _Writer:
             if n.kind == BOOL:
                 return str(bool(n.data))
             if n.kind == INT:
-                return f"np.int64({int(n.data)})"
+                return f"ik{self.consts.index(self.consts.ints, int(n.data))}"
             return self.const(n.data)
         if op == "gather":
             return self._gather(n, a)
@@ -163,15 +184,20 @@ def _body(w: _Writer, indent: str) -> list:
     return [indent + line for line in w.lines]
 
 
-def _unpack(slots) -> list:
-    return [f"    cap{s} = caps[{s}]" for s in sorted(slots)]
+def _unpack(slots, consts: Constants) -> list:
+    """The captured arrays, and the numbers as locals (loaded once: a load from an array in
+    the loop could alias a store and stay there)."""
+    n = consts.n_captured  # the numbers follow the captured arrays in ``caps``
+    lines = [f"    cap{s} = caps[{s}]" for s in sorted(slots)] + [f"    fk = caps[{n}]", f"    ik = caps[{n + 1}]"]
+    lines += [f"    fk{k} = fk[{k}]" for k in range(len(consts.floats))]
+    return lines + [f"    ik{k} = ik[{k}]" for k in range(len(consts.ints))]
 
 
 def _gathers(roots) -> list:
     return [n for n in walk(roots) if n.op == "gather"]
 
 
-def _ends_check(roots, consts: dict) -> list | None:
+def _ends_check(roots, consts: Constants) -> list | None:
     """Statements setting ``ends`` to whether every read of ``roots`` is in range (no wrap)
     at both ends of the row, where each read's index is affine in the positions (then
     monotone along the row: the ends bound it); None where one is not."""
@@ -190,12 +216,12 @@ def _ends_check(roots, consts: dict) -> list | None:
     return lines
 
 
-def _row_function(head: str, roots, store, consts: dict, prologue=()) -> list:
+def _row_function(head: str, roots, store, consts: Constants, prologue=()) -> list:
     """A row function: per entry the program of ``roots`` then ``store(writer)`` (lines);
     where every read is affine and in range at the row's ends, a loop with no index checks
     (vectorisable), else one that wraps and checks every index."""
     caps = {g.data for g in _gathers(roots)}
-    lines = [head, *_unpack(caps)]
+    lines = []
     loop = ["for jj in range(row.shape[0]):"]
     loop += ["    j = c0 + jj", *("    " + x for x in prologue)]
     check = _ends_check(roots, consts) if caps else None
@@ -211,20 +237,26 @@ def _row_function(head: str, roots, store, consts: dict, prologue=()) -> list:
     stored = store(slow)
     lines += ["    ok = True", *("    " + x for x in loop), *_body(slow, "        "),
               *("        " + x for x in stored), "    return ok", "", ""]
-    return lines
+    return [head, *_unpack(caps, consts), *lines]  # (the numbers the body registered are known now)
 
 
-def row_functions(derived: Derived | None, dtype: str) -> str:
+class Rows(NamedTuple):
+    """The row functions' source and the numbers they read (:class:`Constants`)."""
+
+    source: str
+    floats: tuple
+    ints: tuple
+
+
+def row_functions(derived: Derived | None, dtype: str) -> Rows:
     """The source of the row functions of ``derived`` (None: no score function, S = S⁰) in
     ``dtype`` ("float32" or "float64");
     :class:`Unsupported` for an operation the compiled route does not take."""
-    consts: dict = {}
+    consts = Constants(0 if derived is None else len(derived.traced.captured))
     if derived is None:  # no score function: S = S⁰
         f, ds, reads = leaf("score"), const(1, FLOAT), ()
     else:
         f, ds, reads = derived.expr, derived.d_score, derived.reads
-    caps = {n.data for n in walk([f, ds, *(r.d for r in reads)]) if n.op == "gather"}
-    caps |= {n.data for r in reads for n in walk(r.gather.args) if n.op == "gather"}
     out = ["@_jit_row"]
     out += _row_function("def score_fwd_row(row, b, h, i, c0, caps):", [f],
                          lambda w: [f"row[jj] = {w.names[id(f)]}"], consts, ["s0 = row[jj]"])
@@ -250,6 +282,5 @@ def row_functions(derived: Derived | None, dtype: str) -> str:
 
     head = [f"_F = np.{dtype}", "_ONE = _F(1.0)", "_ZERO = _F(0.0)", f"N_READS = {len(reads)}",
             f"HAS_DSCORE = {not (ds.is_const and ds.data == Fraction(1))}"]
-    head += [f"{name} = _F({value})" if value not in ("inf", "-inf", "nan") else f"{name} = _F(float({value!r}))"
-             for value, name in consts.items()]
-    return "\n".join(head) + "\n\n\n" + "\n".join(out)
+    return Rows("\n".join(head) + "\n\n\n" + "\n".join(out), consts.values(consts.floats),
+                consts.values(consts.ints))
