@@ -16,8 +16,8 @@ Goals: flex softcap <= 1.25x builtin softcap; eager >= 10x flex.  The flex rows 
 compiled route (the score function inside numba tile loops: attngrad.core.flex.compiled);
 the first round compiles it, or loads it from the disk cache.  Times are medians of
 ``--repeats`` rounds after a warm-up round.  ``--memory`` (default) also runs each contender
-in a child process, warm, and reports the peak resident memory of one run above the memory in
-use before it (MiB).
+in a child process (its kernels loaded by a run at N = 256) and reports the peak resident
+memory of one run above the memory in use before it (MiB).
 
     python benchmarks/flex.py [--sizes 4096] [--repeats 3] [--threads N] [--no-memory]
 """
@@ -125,12 +125,12 @@ def _status_kib(field: str) -> int | None:
 
 
 def _child(name: str, n: int, threads) -> None:
-    """One warm run (the compiled kernels loaded, the caches filled), then the peak of a second
-    run above the memory in use before it.  Linux: the peak (VmHWM) reset first through
-    /proc/self/clear_refs (ru_maxrss keeps the parent's peak across fork and exec, and the first
-    run's); elsewhere ru_maxrss, which may then read 0."""
+    """One run at N = 256 (the compiled kernels loaded: one module serves every N), then the
+    peak of the run at ``n`` above the memory in use before it (its inputs included).  Linux:
+    the peak (VmHWM) reset first through /proc/self/clear_refs (ru_maxrss keeps the parent's
+    peak across fork and exec); elsewhere ru_maxrss, which may then read 0."""
     run = contenders(n, threads)[name]
-    run()
+    contenders(min(n, 256), threads)[name]()
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # reset VmHWM to the current resident size
