@@ -83,8 +83,9 @@ def forward(q, k, v, prob: FlexProblem, run: FlexRun):
     if impl == "dense":
         out, cache, top = dense.forward(q, k, v, prob, rule)
     else:
-        cache, top = tiled.forward(q, k, v, prob, _tiles(prob, run), rule)
-        out = cache.out.astype(prob.dtype, copy=True)  # (a copy: the caller may write into it)
+        cache, top, out = tiled.forward(q, k, v, prob, _tiles(prob, run), rule)
+        if out is None or out.dtype != prob.dtype:  # (a copy: the caller may write into it)
+            out = (cache.out if out is None else out).astype(prob.dtype, copy=True)
     return out, cache, top
 
 

@@ -26,7 +26,7 @@ import math
 import numba
 import numpy as np
 
-from attngrad.core.flex._rows import _box, _fmax, _fmin, _fsign, _masked, _zeroed
+from attngrad.core.flex._rows import _box, _fmax, _fmin, _fsign, _masked, _zeroed, mask_row
 from attngrad.runtime._fused_kernels import dsoftmax_row, exp_, exp_row, narrow, online_row
 from attngrad.runtime._tanh32 import tanh_
 from attngrad.runtime._tiled_kernels import gemm
@@ -54,15 +54,19 @@ def scatter_row(ds, dr, allowed, a0, masked, b, h, i, c0, caps, parts):  # pragm
 
 
 @_jit
-def fwd_head(blas, q, k, v, out, lse, top, nkeys, plan, allowed, t0, scale, bq, bk, b, h, caps,
-             s_buf, pv_buf, m, l, rows, cols, zq, zk, zv):
+def fwd_head(blas, q, k, v, out, res, lse, top, nkeys, plan, allowed, spans, boxes, t0, scale, bq, bk, b, h, caps,
+             s_buf, pv_buf, m, l, rescale, rows, cols, zq, zk, zv):
     """Forward of query tiles [t0, t0 + len(plan)) of one head (FA1, FA3, FX1, FX4).
 
     q (Lq, D), k (Lk, D), v (Lk, Dv) in the compute dtype; out (Lq, Dv) and lse (Lq,) in the
-    output dtype (float64 for float32 work), top (Lq,) float64 (ML1), nkeys (Lq,) int64
-    (added to): the tiles' rows written.  plan (t1 - t0, key tiles) int32, allowed (n,
-    bq, bk) bool.  Scratch: s_buf (bq*bk,), pv_buf (bq*Dv,), m, l (bq,), rows, cols (bq |
-    bk,) bool, zq (bq, D), zk (bk, D), zv (bk, Dv).  Returns whether every captured read was
+    output dtype (float64 for float32 work), res (Lq, Dv): O rounded to the compute dtype (the
+    caller's result), top (Lq,) float64 (ML1), nkeys (Lq,) int64
+    (added to): the tiles' rows written.  plan (t1 - t0, key tiles) int32; per partial
+    tile: allowed (n, bq, bk) bool, spans (n, bq, 2) int32 (each row's allowed keys [lo, hi)
+    where contiguous, else lo = -1: :func:`._rows.mask_row`), boxes (n, 5) int32 (r0, r1,
+    c0, c1, holes: the rows and keys some entry uses, and whether one inside is unused).
+    Scratch: s_buf (bq*bk,), pv_buf (bq*Dv,), m, l, rescale (bq,), rows, cols (bq | bk,)
+    bool, zq (bq, D), zk (bk, D), zv (bk, Dv).  Returns whether every captured read was
     in range."""
     Lq, Lk, Dv = q.shape[0], k.shape[0], v.shape[1]
     neg = narrow(s_buf[0], -np.inf)
@@ -85,12 +89,14 @@ def fwd_head(blas, q, k, v, out, lse, top, nkeys, plan, allowed, t0, scale, bq, 
             a = allowed[0]
             if code != FULL:
                 a = allowed[code]
-                r0, r1, c0, c1, holes = _box(a, q1 - q0, k1 - k0, rows, cols)
+                bx = boxes[code]
+                r0, r1, c0, c1, holes = bx[0], bx[1], bx[2], bx[3], bx[4] != 0
                 if r0 >= r1:
                     continue
             nr, nc = r1 - r0, c1 - c0
             qt, kt_, vt = q[q0 + r0:q0 + r1], k[k0 + c0:k0 + c1], v[k0 + c0:k0 + c1]
             if holes:
+                _box(a, q1 - q0, k1 - k0, rows, cols)  # which rows and keys are used
                 _zeroed(qt, rows[r0:r1], zq[:nr])
                 _zeroed(kt_, cols[c0:c1], zk[:nc])
                 _zeroed(vt, cols[c0:c1], zv[:nc])
@@ -104,39 +110,37 @@ def fwd_head(blas, q, k, v, out, lse, top, nkeys, plan, allowed, t0, scale, bq, 
                 if code == FULL:
                     nkeys[gi] += nc
                 else:
-                    n_ok = 0
-                    for j in range(nc):
-                        if a[r0 + i, c0 + j]:
-                            n_ok += 1
-                        else:
-                            row[j] = neg  # (FX4) by structure
-                    nkeys[gi] += n_ok
+                    sp = spans[code, r0 + i]
+                    nkeys[gi] += mask_row(row, a[r0 + i], sp[0], sp[1], c0, neg)  # (FX4) by structure
                 ii = r0 + i
-                m[ii], l[ii], alpha = online_row(row, m[ii], l[ii])  # (FA3)
-                for d in range(Dv):
-                    out[gi, d] *= alpha
+                m[ii], l[ii], rescale[i] = online_row(row, m[ii], l[ii])  # (FA3)
             pv = pv_buf[: nr * Dv].reshape((nr, Dv))
             gemm(blas, s, False, vt, False, pv, 1.0, 0.0)  # (A3) e^(S - m') V
             for i in range(nr):
                 gi = q0 + r0 + i
+                alpha = rescale[i]
                 for d in range(Dv):
-                    out[gi, d] += pv[i, d]
+                    out[gi, d] = out[gi, d] * alpha + pv[i, d]
         for i in range(q1 - q0):
             gi = q0 + i
             if not l[i] <= 0:  # rows that attend something, and NaN ones
                 inv = l[i]
                 for d in range(Dv):
-                    out[gi, d] = out[gi, d] / inv  # (A3) O = acc / l
+                    o = out[gi, d] / inv  # (A3) O = acc / l
+                    out[gi, d] = o
+                    res[gi, d] = o
                 lse[gi] = m[i] + math.log(np.float64(l[i]))  # (FA1)
             else:
+                for d in range(Dv):
+                    res[gi, d] = out[gi, d]
                 lse[gi] = -np.inf
             top[gi] = m[i]  # (ML1)
     return ok
 
 
 @_jit
-def bwd_head(blas, q, k, v, do, lse, delta, dl, has_dl, flat, has_flat, dq, dk, dv, plan, allowed, t0, scale,
-             bq, bk, b, h, caps, parts, s_buf, dp_buf, dsc_buf, dr_buf, rows, cols, zq, zk, zv):
+def bwd_head(blas, q, k, v, do, lse, delta, dl, has_dl, flat, has_flat, dq, dk, dv, plan, allowed, spans, boxes,
+             t0, scale, bq, bk, b, h, caps, parts, s_buf, dp_buf, dsc_buf, dr_buf, rows, cols, zq, zk, zv):
     """Backward of query tiles [t0, t0 + len(plan)) of one head (FA2, A4-A9, FX2, FX3):
     dq (Lq, D), dk, dv (Lk, D | Dv) accumulated unscaled (the caller scales dQ and dK, A8,
     A9); parts: per read of a captured tensor its float64 gradient, added to in a fixed
@@ -162,12 +166,14 @@ def bwd_head(blas, q, k, v, do, lse, delta, dl, has_dl, flat, has_flat, dq, dk, 
             masked = code != FULL
             if masked:
                 a = allowed[code]
-                r0, r1, c0, c1, holes = _box(a, q1 - q0, k1 - k0, rows, cols)
+                bx = boxes[code]
+                r0, r1, c0, c1, holes = bx[0], bx[1], bx[2], bx[3], bx[4] != 0
                 if r0 >= r1:
                     continue
             nr, nc = r1 - r0, c1 - c0
             qt, kt_, vt = q[q0 + r0:q0 + r1], k[k0 + c0:k0 + c1], v[k0 + c0:k0 + c1]
             if holes:
+                _box(a, q1 - q0, k1 - k0, rows, cols)
                 _zeroed(qt, rows[r0:r1], zq[:nr])
                 _zeroed(kt_, cols[c0:c1], zk[:nc])
                 _zeroed(vt, cols[c0:c1], zv[:nc])
@@ -182,9 +188,8 @@ def bwd_head(blas, q, k, v, do, lse, delta, dl, has_dl, flat, has_flat, dq, dk, 
                 ok &= score_bwd_row(row, dsc[i], dr_buf[i], b, h, gi, k0 + c0, caps)  # (FX1-FX3)
                 exp_row(row, lse[gi])  # (FA2) P = e^(S - lse)
                 if masked:
-                    for j in range(nc):
-                        if not a[r0 + i, c0 + j]:
-                            row[j] = zero  # (FX4)
+                    sp = spans[code, r0 + i]
+                    mask_row(row, a[r0 + i], sp[0], sp[1], c0, zero)  # (FX4)
             gemm(blas, p, True, dot, False, dv[k0 + c0:k0 + c1], 1.0, 1.0)  # (A4) dV += P^T dO
             ds = dp_buf[: nr * nc].reshape((nr, nc))
             gemm(blas, dot, False, vt, True, ds, 1.0, 0.0)  # (A5) dP = dO V^T
@@ -197,10 +202,9 @@ def bwd_head(blas, q, k, v, do, lse, delta, dl, has_dl, flat, has_flat, dq, dk, 
                 else:
                     dsoftmax_row(row, prow, delta[gi])  # (A7) dS = P (dP - delta)
                 arow = a[r0 + i]  # (C-contiguous rows, whole: their layout lets LLVM vectorise the row loops)
+                sp = spans[code if masked else 0, r0 + i]
                 if masked:
-                    for j in range(nc):
-                        if not arow[c0 + j]:
-                            row[j] = zero  # (FX4)
+                    mask_row(row, arow, sp[0], sp[1], c0, zero)  # (FX4)
                 if N_READS:  # (FX3) dθ[idx] += dS ∘ ∂S/∂θ
                     ok &= scatter_row(row, dr_buf[i], arow, c0, masked, b, h, gi, k0 + c0, caps, parts)
                 if HAS_DSCORE:  # (FX2) dS⁰ = dS ∘ ∂S/∂S⁰
@@ -208,9 +212,7 @@ def bwd_head(blas, q, k, v, do, lse, delta, dl, has_dl, flat, has_flat, dq, dk, 
                     for j in range(nc):
                         row[j] = row[j] * drow[j]
                     if masked:
-                        for j in range(nc):
-                            if not arow[c0 + j]:
-                                row[j] = zero
+                        mask_row(row, arow, sp[0], sp[1], c0, zero)
             gemm(blas, ds, True, qt, False, dk[k0 + c0:k0 + c1], 1.0, 1.0)  # (A9) dK += dS0^T Q
             gemm(blas, ds, False, kt_, False, dq[q0 + r0:q0 + r1], 1.0, 1.0)  # (A8) dQ += dS0 K
     return ok

@@ -79,3 +79,27 @@ def _zeroed(src, used, dst):
     for i in range(src.shape[0]):
         for d in range(src.shape[1]):
             dst[i, d] = src[i, d] if used[i] else narrow(dst[i, d], 0.0)
+
+
+@_jit
+def mask_row(row, arow, lo, hi, c0, fill):
+    """(FX4) the entries of ``row`` (keys c0 .. c0 + len(row) - 1 of its tile) that the
+    tile's table row ``arow`` leaves out <- fill, by structure; returns how many it keeps.
+    lo, hi: the row's allowed keys are exactly [lo, hi) of the tile (lo >= 0: two fills,
+    no per-entry test), or lo = -1: tested entry by entry."""
+    n = row.shape[0]
+    if lo >= 0:
+        a = min(max(lo - c0, 0), n)
+        z = min(max(hi - c0, a), n)
+        for j in range(a):
+            row[j] = fill
+        for j in range(z, n):
+            row[j] = fill
+        return z - a
+    kept = 0
+    for j in range(n):
+        if arow[c0 + j]:
+            kept += 1
+        else:
+            row[j] = fill
+    return kept

@@ -148,7 +148,8 @@ def kernels(prob: FlexProblem):
 
 class Plans:
     """The mask of a problem as the compiled loops take it, per (head, run of query tiles):
-    ``(plan (tiles, key tiles) int32, allowed (n|1, bq, bk) bool)``; kept (up to
+    ``(plan (tiles, key tiles) int32, allowed (n|1, bq, bk) bool, spans, boxes)``
+    (:func:`spans_and_boxes`); kept (up to
     :data:`PLAN_MEMO_BYTES`) for the next head where the rule does not depend on b or h,
     and for the backward."""
 
@@ -170,7 +171,7 @@ class Plans:
             return found
         plan = self._build(b, h, *self.runs[run])
         with self.lock:
-            size = plan[1].nbytes
+            size = sum(a.nbytes for a in plan)
             if self.kept + size <= PLAN_MEMO_BYTES:
                 self.memo[key] = plan
                 self.kept += size
@@ -193,7 +194,31 @@ class Plans:
         allowed = np.zeros((max(1, len(tables)), bq, bk), bool)
         for n, a in enumerate(tables):
             allowed[n, : a.shape[0], : a.shape[1]] = a
-        return plan, allowed
+        return (plan, allowed, *spans_and_boxes(allowed))
+
+
+def spans_and_boxes(allowed):
+    """Per table (n, bq, bk) of allowed entries: spans (n, bq, 2) int32, each row's allowed
+    keys [lo, hi) where they are contiguous ([0, 0) for none), lo = -1 where not; boxes
+    (n, 5) int32: rows [r0, r1) and keys [c0, c1) that some allowed entry uses, and 1 where
+    a row or key inside them is unused (a hole), else 0."""
+    n, _, bk = allowed.shape
+    count = allowed.sum(axis=2)  # (n, bq)
+    lo = np.argmax(allowed, axis=2)  # first allowed key (0 for none)
+    hi = bk - np.argmax(allowed[:, :, ::-1], axis=2)
+    hi = np.where(count > 0, hi, 0)
+    spans = np.stack([np.where(count == hi - lo, lo, -1), hi], axis=2).astype(np.int32)
+    boxes = np.zeros((n, 5), np.int32)
+    for t in range(n):
+        rows, cols = allowed[t].any(axis=1), allowed[t].any(axis=0)
+        if not rows.any():
+            continue
+        r = np.flatnonzero(rows)
+        c = np.flatnonzero(cols)
+        r0, r1, c0, c1 = r[0], r[-1] + 1, c[0], c[-1] + 1
+        holes = not (rows[r0:r1].all() and cols[c0:c1].all())
+        boxes[t] = (r0, r1, c0, c1, holes)
+    return spans, boxes
 
 
 def captured_arrays(prob: FlexProblem) -> tuple:
@@ -206,8 +231,9 @@ def captured_arrays(prob: FlexProblem) -> tuple:
 
 
 def forward(q, k, v, prob: FlexProblem, tiles, rule, found):
-    """The compiled forward: ``(out, lse, nkeys, top, plans)`` (as :func:`.tiled.forward`
-    forms them), or None where a captured tensor was read out of range."""
+    """The compiled forward: ``(out, lse, nkeys, top, plans, res)`` (as :func:`.tiled.forward`
+    forms them; res: O in the compute dtype, the caller's result), or None where a captured
+    tensor was read out of range."""
     module, blas, caps = found
     B, H, _, Lq, _, D, Dv = prob.shape
     G = prob.shape.group
@@ -215,6 +241,7 @@ def forward(q, k, v, prob: FlexProblem, tiles, rule, found):
     cdt = prob.cdt
     odt = np.float64 if cdt == np.float32 else cdt
     out = np.empty((B, H, Lq, Dv), odt)  # (B, H, Lq, Dv)
+    res = out if odt == cdt else np.empty((B, H, Lq, Dv), cdt)  # (B, H, Lq, Dv) O for the caller
     lse = np.empty((B, H, Lq), odt)  # (B, H, Lq)
     nkeys = np.zeros((B, H, Lq), np.int64)
     top = np.empty((B, H, Lq))  # (ML1)
@@ -229,13 +256,14 @@ def forward(q, k, v, prob: FlexProblem, tiles, rule, found):
         b, h = divmod(head, H)
         if worker not in scratch:
             scratch[worker] = (np.empty(bq * bk, cdt), np.empty(bq * Dv, cdt), np.empty(bq, cdt),
-                               np.empty(bq, cdt), np.empty(bq, bool), np.empty(bk, bool),
+                               np.empty(bq, cdt), np.empty(bq, cdt), np.empty(bq, bool), np.empty(bk, bool),
                                np.empty((bq, D), cdt), np.empty((bk, D), cdt), np.empty((bk, Dv), cdt))
-        s_buf, pv_buf, m, l, rows, cols, zq, zk, zv = scratch[worker]
-        plan, allowed = plans.get(b, h, run)
-        ok[unit] = module.fwd_head(blas, q[b, h], k[b, h // G], v[b, h // G], out[b, h], lse[b, h], top[b, h],
-                                   nkeys[b, h], plan, allowed, plans.runs[run][0], scale, bq, bk, b, h, caps,
-                                   s_buf, pv_buf, m, l, rows, cols, zq, zk, zv)
+        s_buf, pv_buf, m, l, rescale, rows, cols, zq, zk, zv = scratch[worker]
+        plan = plans.get(b, h, run)  # (plan, allowed, spans, boxes)
+        ok[unit] = module.fwd_head(blas, q[b, h], k[b, h // G], v[b, h // G], out[b, h], res[b, h], lse[b, h],
+                                   top[b, h],
+                                   nkeys[b, h], *plan, plans.runs[run][0], scale, bq, bk, b, h, caps,
+                                   s_buf, pv_buf, m, l, rescale, rows, cols, zq, zk, zv)
 
     try:
         run_units(work, B * H * len(plans.runs), tiles.threads, blas=not fused.private_blas())
@@ -244,7 +272,7 @@ def forward(q, k, v, prob: FlexProblem, tiles, rule, found):
         return None
     if not ok.all():
         return None
-    return out, lse, nkeys, top, plans
+    return out, lse, nkeys, top, plans, (res.copy() if res is out else res)
 
 
 def backward(cache, do_all, dlse, found) -> dict | None:
@@ -293,10 +321,10 @@ def backward(cache, do_all, dlse, found) -> dict | None:
                     delta = delta - dl  # (LS3)
                 fl = no_rows if flat is None else np.ascontiguousarray(flat[b, h])
                 for run, (t0, _) in enumerate(plans.runs):
-                    plan, allowed = plans.get(b, h, run)
+                    plan = plans.get(b, h, run)  # (plan, allowed, spans, boxes)
                     ok[slot] &= module.bwd_head(
                         blas, q[b, h], k[b, hk], v[b, hk], do, lse_all[b, h], delta, dl, dlse is not None, fl,
-                        flat is not None, dq[b, h], dk[b, hk], dv[b, hk], plan, allowed, t0, scale, bq, bk, b, h,
+                        flat is not None, dq[b, h], dk[b, hk], dv[b, hk], *plan, t0, scale, bq, bk, b, h,
                         caps, parts[slot], *bufs)
                 dq[b, h] *= prob.scale  # (A8)
             dk[b, hk] *= prob.scale  # (A9)

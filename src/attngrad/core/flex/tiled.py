@@ -65,17 +65,18 @@ def _kern(prob: FlexProblem):
 
 
 def forward(q, k, v, prob: FlexProblem, tiles: Tiles, rule: TileRule):
-    """Returns ``(cache, row_max)``: row_max (B, H, Lq) float64, each row's largest valid
-    score, -inf for a row with none (ML1).  The compiled route (:mod:`.compiled`) where it
+    """Returns ``(cache, row_max, out)``: row_max (B, H, Lq) float64, each row's largest valid
+    score, -inf for a row with none (ML1); out: O in the compute dtype, a new array the caller
+    may keep, or None (then cache.out is O).  The compiled route (:mod:`.compiled`) where it
     applies, else the NumPy tile loop below."""
     found = compiled.kernels(prob) if ROUTE != "numpy" else None
     done = None if found is None else compiled.forward(q, k, v, prob, tiles, rule, found)
     if done is not None:
-        out, lse, nkeys, top, plans = done
+        out, lse, nkeys, top, plans, res = done
         flat = nkeys < 2
         return FlexTiledCache(q, k, v, out, lse, flat if flat.any() else None, prob, tiles, rule, plans,
-                              "compiled"), top
-    return _forward_numpy(q, k, v, prob, tiles, rule)
+                              "compiled"), top, res
+    return (*_forward_numpy(q, k, v, prob, tiles, rule), None)
 
 
 def _forward_numpy(q, k, v, prob: FlexProblem, tiles: Tiles, rule: TileRule):
