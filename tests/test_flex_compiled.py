@@ -189,3 +189,19 @@ def test_loops_numba_cannot_compile_fall_back_with_a_warning(monkeypatch):
     want, ref = attngrad.flex_forward(q, k, v, sm, MASKS["causal"], impl="tiled", **TILES)
     assert np.array_equal(out, want)
     assert np.array_equal(attngrad.flex_backward(g, cache)["q"], attngrad.flex_backward(g, ref)["q"])
+
+
+def test_bitwise_the_same_at_one_two_and_three_threads():
+    """Two captured tensors (one read per row, one per entry), a document mask, grouped heads."""
+    q, k, v, g, bias = inputs(8)
+    slopes = np.abs(bias[:, 0]) + 0.1
+    sm = lambda s, b, h, i, j: CAP * np.tanh(s / CAP) + bias[h, i - j + L - 1] - slopes[h] * np.abs(i - j)
+    results = []
+    for threads in (1, 2, 3):
+        out, cache = attngrad.flex_forward(q, k, v, sm, MASKS["document"], impl="tiled", threads=threads, **TILES)
+        assert cache.route == "compiled"
+        results.append((out, attngrad.flex_backward(g, cache)))
+    for out, grads in results[1:]:
+        assert np.array_equal(out, results[0][0])
+        for name in ("q", "k", "v", "bias", "slopes"):
+            assert np.array_equal(grads[name], results[0][1][name]), name
