@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from attngrad.bench import Case, measure, paired_ratios
+from attngrad.bench import BenchConfig, Case, measure, paired_ratios, run_bench
 from attngrad.cli.main import main
 
 pytestmark = pytest.mark.slow  # the fast tier (-m 'not slow') leaves this file out
@@ -50,20 +50,23 @@ def test_table_shows_the_per_round_ratios(capsys):
     assert len(cells) == 10 and cells[8].endswith(")") and cells[9].endswith("%")
 
 
-def test_the_mixed_mode_is_reported_beside_the_settled_figures(capsys):
-    argv = ["bench", "--sizes", "16", "--causal", "no", "--rounds", "2", "--threads", "1", "--no-memory",
-            "--settle", "0", "--mixed", "--layer-shape", "2,16,8,2", "--contenders", "torch_sdpa,attngrad_tiled"]
-    assert main(argv) == 0
-    out = capsys.readouterr().out
+def test_the_mixed_mode_is_reported_beside_the_settled_figures():
+    from attngrad.bench import format_bench
+
+    cfg = BenchConfig(sizes=(16,), causal=(False,), rounds=2, threads=1, memory=False, settle=0.0, mixed=True,
+                      layer_shape=(2, 16, 8, 2), contenders=("torch_sdpa", "attngrad_tiled"))
+    result = run_bench(cfg)
+    out = format_bench(result)
     assert "mixed: median ms | mixed: per round |" in out and "back to back" in out
+    assert "SGEMM in this process: numpy" in out and result.environment["sgemm_gflops"]["numpy"] > 0
     for name in ("attngrad_tiled", "attngrad_mha"):
         row = next(line for line in out.splitlines() if f"| {name} |" in line)
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert len(cells) == 12 and float(cells[10]) > 0 and cells[11].endswith("x")
-    assert main([*argv, "--json"]) == 0
-    rows = json.loads(capsys.readouterr().out)["rows"]
-    assert all(r["mixed_median_s"] > 0 for r in rows)
-    assert all("mixed_round_ratio_median" in r for r in rows if r["contender"] not in ("torch_sdpa", "torch_mha"))
+        assert cells[5].endswith("%)")  # GFLOP/s and its share of the SGEMM rate
+    assert all(r["mixed_median_s"] > 0 for r in result.rows)
+    assert all("mixed_round_ratio_median" in r for r in result.rows
+               if r["contender"] not in ("torch_sdpa", "torch_mha"))
 
 
 def test_the_mixed_steps_run_back_to_back_in_alternating_order():

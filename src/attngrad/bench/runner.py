@@ -240,8 +240,10 @@ def run_bench(cfg: BenchConfig, *, progress=None) -> BenchResult:
 
         torch.set_num_threads(threads)
     if cfg.timing:
-        result.environment["sgemm_gflops"] = sgemm_rate(threads, torch_too=any(library(n) == "torch"
-                                                                              for n in selected(cfg)))
+        n = 2048 if max(cfg.sizes) >= 1024 else 512  # (a smoke run's sizes: a smaller, quicker yardstick)
+        result.environment["sgemm_n"] = n
+        result.environment["sgemm_gflops"] = sgemm_rate(threads, n=n, torch_too=any(library(name) == "torch"
+                                                                                  for name in selected(cfg)))
     cases, layer = _cases(cfg)
     _run_cases(result, cases, cfg.contenders, cfg, say)
     if layer is not None:
@@ -259,7 +261,7 @@ def format_bench(result: BenchResult) -> str:
         f"median of {cfg.rounds} round-robin rounds; numpy {env['numpy']}, torch {env.get('torch')}; "
         f"load average {env.get('loadavg_start', float('nan')):.2f} -> {env.get('loadavg_end', float('nan')):.2f}",
         *(["SGEMM in this process: " + ", ".join(f"{k} {v:.0f}" for k, v in env["sgemm_gflops"].items())
-           + " GFLOP/s (float32, 2048^3)"] if env.get("sgemm_gflops") else []),
+           + f" GFLOP/s (float32, {env.get('sgemm_n', 2048)}^3)"] if env.get("sgemm_gflops") else []),
         "",
         "| shape | causal | contender | median ms | spread | GFLOP/s | peak extra MB | time vs ref "
         "| per round: median (quartiles) | faster rounds |" + (" mixed: median ms | mixed: per round |"
