@@ -178,23 +178,17 @@ def test_time_is_estimated_before_any_work():
     assert estimate_seconds(BenchConfig(sizes=(8,), rounds=1, memory=False, settle=0, layer=False)) < 1
 
 
-def test_the_primer_leaves_blas_asleep_for_contenders_on_the_tiled_workers(monkeypatch):
-    """attngrad_mha runs on the tiled path's workers where its attention does (the layer's
-    own guess), and is then primed like attngrad_tiled: no BLAS pool woken beside them."""
+def test_the_primer_leaves_numpys_blas_asleep_for_every_attngrad_contender():
+    """Every attngrad contender runs its products on attngrad's workers (the dense path's
+    heads and the layer's projections too), so each is primed there: no NumPy BLAS pool
+    woken beside them; torch's contenders wake torch's threads."""
     from attngrad.bench import contenders
-    from attngrad.runtime import fused
 
     layer = Case(batch=4, heads=8, n=256, d=512, dtype="float32", causal=False, kind="layer")
     small = layer._replace(batch=1, n=64)
-    compiled = fused.tile_loops() is not None
-    assert contenders.primer("attngrad_tiled") == "workers"
-    assert contenders.primer("attngrad_mha_tiled", small) == "workers"
-    assert contenders.primer("attngrad_mha", layer) == ("workers" if compiled else "numpy")
-    assert contenders.primer("attngrad_mha", small) == "numpy"
-    assert contenders.primer("attngrad_dense") == contenders.primer("attngrad_mha_dense", layer) == "numpy"
-    assert contenders.primer("torch_mha", layer) == "torch"
-    monkeypatch.setattr(fused, "tile_loops", lambda: None)
-    assert contenders.primer("attngrad_mha", layer) == "numpy"
+    for name in ("attngrad_tiled", "attngrad_dense", "attngrad_mha", "attngrad_mha_tiled", "attngrad_mha_dense"):
+        assert contenders.primer(name) == contenders.primer(name, layer) == contenders.primer(name, small) == "workers"
+    assert contenders.primer("torch_mha", layer) == contenders.primer("torch_sdpa") == "torch"
 
 
 def test_the_memory_warm_up_takes_the_measured_sizes_code_paths(monkeypatch):

@@ -470,3 +470,32 @@ def test_with_bias_declines_what_it_does_not_take():
     assert products.with_bias(a, b[:2], np.ones(5, np.float32)) is None  # inner sizes differ
     assert products.with_bias(a.astype(np.float16), b.astype(np.float16), np.ones(5, np.float16)) is None
     assert products.with_bias(a[:, ::2], b[:2], np.ones(5, np.float32)) is None  # a row BLAS cannot read
+
+
+@compiled
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_batched_heads_run_on_the_workers_with_the_same_bits_at_any_thread_count(monkeypatch, dtype):
+    """products.batched: (B, H, M, K) @ (B, H, K, N) as one hand-out of every head's
+    product where each is large enough (a transposed operand and a strided out included),
+    within rounding of float64 and bitwise the same at 1, 2 and 3 threads; small heads,
+    mismatched leading axes and other arrays: NumPy's matmul."""
+    monkeypatch.setattr(products, "MIN_FLOPS", 2 * 40 * 24 * 30)
+    rng = np.random.default_rng(21)
+    a = rng.standard_normal((2, 3, 40, 24)).astype(dtype)
+    bt = rng.standard_normal((2, 3, 30, 24)).astype(dtype)
+    b = np.swapaxes(bt, -1, -2)  # (2, 3, 24, 30), each matrix column-major
+    seen = _count_hand_outs(monkeypatch)
+    got = products.batched(a, b)
+    assert seen == [min(6, threads.get_num_threads())]  # six heads' blocks, one hand-out
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    want = a.astype(np.float64) @ b.astype(np.float64)
+    assert np.max(np.abs(got - want)) <= tol * np.max(np.abs(want))
+    for count in (1, 2, 3):
+        monkeypatch.setattr(threads, "_SET", count)
+        assert products.batched(a, b).tobytes() == got.tobytes()
+    out = np.full((2, 40, 3, 30), np.nan, dtype=dtype).transpose(0, 2, 1, 3)  # merged heads' rows, strided
+    assert products.batched(a, b, out) is out and np.array_equal(out, got)
+    seen.clear()
+    small = products.batched(a[..., :20, :], b)  # below MIN_FLOPS a head: NumPy
+    assert seen == [] and np.allclose(small, want[..., :20, :], rtol=tol, atol=tol)
+    assert np.allclose(products.batched(a[:1], b), a[:1] @ b, rtol=tol, atol=tol)  # broadcast: NumPy's

@@ -170,17 +170,12 @@ def library(name: str) -> str:
 
 def primer(name: str, case: Case | None = None) -> str:
     """How the harness wakes a contender's threads before a timed call: "torch" (a small
-    torch GEMM), "numpy" (a NumPy GEMM on BLAS's own threads) or "workers" (a small GEMM on
-    each of the tiled path's workers through its compiled loops' BLAS, single-threaded;
-    a NumPy GEMM on one BLAS thread, "numpy_serial", without those loops) for the
-    contenders that run on the tiled path's workers: attngrad_tiled, attngrad_mha_tiled, and
-    attngrad_mha where its attention runs tiled at ``case``'s shape (its projections then
-    run on those workers too, :func:`attngrad.layers.mha.core_on_pool`).  Waking BLAS's
-    pool would leave its threads spinning on the cores those workers need
-    (docs/performance.md)."""
-    if name in ("attngrad_tiled", "attngrad_mha_tiled") or _mha_on_workers(name, case):
-        return "workers"
-    return library(name)
+    torch GEMM) for torch's contenders; "workers" (a small GEMM on each of attngrad's
+    workers through its private BLAS, single-threaded; a NumPy GEMM on one BLAS thread,
+    "numpy_serial", without the compiled loops) for attngrad's, whose products all run
+    on those workers (:mod:`attngrad.runtime.products`).  Waking NumPy's own BLAS pool
+    instead would leave its threads spinning on the cores the workers need."""
+    return "torch" if library(name) == "torch" else "workers"
 
 
 def _mha_on_workers(name: str, case: Case | None) -> bool:

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..runtime import fused
+from ..runtime import fused, products
 from ..runtime._xp import Array
 from ..runtime.parallel import exp_inplace
 from ..runtime.workspace import SEQUENTIAL, scratch
@@ -93,14 +93,14 @@ def dense_forward(xp, q, k, v, prob: Problem, rows=None, result=None):
             row_used = xp.reshape(xp.broadcast_to(row_used, (*lead, G, Lq, 1)), (*lead, G * Lq, 1))
             qg = xp.where(row_used, qg, xp.zeros((), dtype=qg.dtype))
     qs = qg * prob.scale if prob.fold else qg  # exact fold: an (L, D) pass, not (Lq, Lk)
-    s = xp.reshape(qs @ xp.matrix_transpose(k), (B, Hkv, G, Lq, Lk))  # (A1) (B, Hkv, G, Lq, Lk)
+    s = xp.reshape(_product(qs, xp.matrix_transpose(k)), (B, Hkv, G, Lq, Lk))  # (A1) (B, Hkv, G, Lq, Lk)
     bias = None if prob.bias is None else grouped5(xp, prob.bias, sh)
     slopes = None if prob.alibi is None else per_head5(xp, prob.alibi, sh)
     s, t = form_logits(xp, prob, s, bias=bias, slopes=slopes)  # (A1, V1, V4)
     sinks = None if prob.sinks is None else per_head5(xp, prob.sinks[None], sh)
     p, psink = softmax_with_sinks(xp, s, allowed5, sinks, overwrite=True)  # (A2, V2)
     p = xp.reshape(p, (B, Hkv, G * Lq, Lk))  # (B, Hkv, G*Lq, Lk)
-    out = _dropped(xp, p, prob) @ v  # (A3, V3) (B, Hkv, G*Lq, Dv)
+    out = _product(_dropped(xp, p, prob), v)  # (A3, V3) (B, Hkv, G*Lq, Dv)
     cache = SDPACache(
         qg, k, v, p,
         None if t is None else xp.reshape(t, (B, Hkv, G * Lq, Lk)),
@@ -272,8 +272,12 @@ def dense_backward(xp, do, cache: SDPACache, out: dict | None = None, dlse=None)
 
 def _product(a, b, out=None):
     """a @ b, into ``out`` (a NumPy array of the result's shape, any strides) when given:
-    BLAS writes a strided result as it is (bitwise the fresh product), so no copy."""
-    return a @ b if out is None else np.matmul(a, b, out=out)
+    BLAS writes a strided result as it is (bitwise the fresh product), so no copy.  NumPy
+    heads large enough run on attngrad's workers (:func:`attngrad.runtime.products.batched`),
+    not on NumPy's threaded BLAS; other arrays ``@``."""
+    if type(a) is np.ndarray:
+        return products.batched(a, b, out)
+    return a @ b
 
 
 def _dp_product(xp, do, v, prob: Problem):
@@ -285,8 +289,8 @@ def _dp_product(xp, do, v, prob: Problem):
     if xp is np and prob.bias is None and not prob.dropout:
         buf = scratch(SEQUENTIAL, (*do.shape[:-1], v.shape[-2]), do.dtype)
         if buf is not None:
-            return np.matmul(do, vt, out=buf)
-    return do @ vt
+            return _product(do, vt, buf)
+    return _product(do, vt)
 
 
 def _reduce_heads(xp, per, shape: tuple):

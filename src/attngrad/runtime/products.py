@@ -21,6 +21,7 @@ products of at least MIN_FLOPS; anything else is ``a @ b``.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -356,6 +357,27 @@ def with_bias(a, b, bias):
     np.copyto(c, bias)  # (F1) the bias in every row: the GEMM adds the product to it
     gemm(blas, a, trans_a, b, trans_b, c, 1.0, 1.0)
     return c
+
+
+def batched(a, b, out=None):
+    """``a @ b`` for NumPy arrays of two or more axes with the same leading axes (each
+    matrix any strides: a transposed view included), written into ``out`` where given (any
+    strides).  Where each matrix product has MIN_FLOPS or more and :func:`pooled` takes it,
+    every product's blocks run in one hand-out to the workers (:func:`matmuls`: the same
+    bits at any thread count, no product on NumPy's threaded BLAS, whose threads would
+    spin beside the workers afterwards); otherwise NumPy's ``matmul``, which runs products
+    this small on one thread."""
+    lead = a.shape[:-2]
+    if (type(a) is np.ndarray and type(b) is np.ndarray and a.ndim >= 3 and b.shape[:-2] == lead
+            and a.shape[-1] == b.shape[-2] and math.prod(lead) > 0 and a.dtype in _DTYPES and b.dtype == a.dtype
+            and (out is None or (type(out) is np.ndarray and out.shape == (*lead, a.shape[-2], b.shape[-1])
+                                 and out.dtype == a.dtype))):
+        c = np.empty((*lead, a.shape[-2], b.shape[-1]), dtype=a.dtype) if out is None else out
+        jobs = [Product(a[i], b[i], out=c[i]) for i in np.ndindex(*lead)]
+        if all(pooled(j.a, j.b, j.out) for j in jobs):
+            matmuls(jobs)
+            return c
+    return a @ b if out is None else np.matmul(a, b, out=out)
 
 
 def matmul(a, b, out=None, *, trans_a: bool = False, trans_b: bool = False, bias=None, relu: bool = False,
