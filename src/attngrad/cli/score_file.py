@@ -8,8 +8,6 @@ fails to run) is a ValueError naming the option: one line, exit 2.
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
 from pathlib import Path
 
 
@@ -22,25 +20,16 @@ def function_spec(text: str) -> tuple:
 
 
 def load_function(spec: tuple, option: str):
-    """The function ``name`` of the Python file ``path`` (ValueError naming ``option``)."""
+    """The function ``name`` of the Python file ``path`` (ValueError naming ``option``):
+    read as ``attngrad grade`` reads a learner's file (:func:`attngrad.grade.load_function`)."""
+    from ..grade import FunctionFailed
+    from ..grade import load_function as load
+
     path, name = spec
-    file = Path(path)
-    if not file.is_file():
-        raise ValueError(f"{option}: no such file {path!r}")
-    module_name = f"_attngrad_user_{abs(hash(str(file.resolve())))}"
-    loader = importlib.util.spec_from_file_location(module_name, file)
-    if loader is None or loader.loader is None:
-        raise ValueError(f"{option}: {path!r} is not a Python file")
-    module = importlib.util.module_from_spec(loader)
-    sys.modules[module_name] = module
     try:
-        loader.loader.exec_module(module)
-    except Exception as exc:  # the user's file: any error is theirs, reported in one line
-        raise ValueError(f"{option}: running {path} failed: {type(exc).__name__}: {exc}") from None
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise ValueError(f"{option}: {path} has no function {name!r}")
-    return fn
+        return load(f"{path}:{name}")
+    except (ValueError, FunctionFailed) as exc:
+        raise ValueError(f"{option}: {exc}") from None
 
 
 def add_score_mod(p, what: str) -> None:
