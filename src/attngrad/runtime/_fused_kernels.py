@@ -476,6 +476,22 @@ def _tail8(ra, rb, j0, m, p0, p1, p2, p3, p4, p5, p6, p7):
     return p0, p1, p2, p3, p4, p5, p6, p7
 
 
+@_jit_inline
+def _dot8(ra, rb, m8, m, p0, p1, p2, p3, p4, p5, p6, p7):
+    """The products ra_j rb_j (float64) of two rows added to 8 partials, partial p taking
+    the values j = p mod 8 in order (the last m - m8 by :func:`_tail8`)."""
+    for j in range(0, m8, 8):
+        p0 += np.float64(ra[j]) * np.float64(rb[j])
+        p1 += np.float64(ra[j + 1]) * np.float64(rb[j + 1])
+        p2 += np.float64(ra[j + 2]) * np.float64(rb[j + 2])
+        p3 += np.float64(ra[j + 3]) * np.float64(rb[j + 3])
+        p4 += np.float64(ra[j + 4]) * np.float64(rb[j + 4])
+        p5 += np.float64(ra[j + 5]) * np.float64(rb[j + 5])
+        p6 += np.float64(ra[j + 6]) * np.float64(rb[j + 6])
+        p7 += np.float64(ra[j + 7]) * np.float64(rb[j + 7])
+    return _tail8(ra, rb, m8, m, p0, p1, p2, p3, p4, p5, p6, p7)
+
+
 @_jit
 def row_dots(a, b, out):
     """(A6) out_i <- sum_j a_ij b_ij in float64 (each product exact there: float32 values
@@ -485,17 +501,7 @@ def row_dots(a, b, out):
     m8 = m - m % 8
     for i in range(n):
         ra, rb = a[i], b[i]
-        p0 = p1 = p2 = p3 = p4 = p5 = p6 = p7 = 0.0  # partial p sums the values j = p mod 8, in order
-        for j in range(0, m8, 8):
-            p0 += np.float64(ra[j]) * np.float64(rb[j])
-            p1 += np.float64(ra[j + 1]) * np.float64(rb[j + 1])
-            p2 += np.float64(ra[j + 2]) * np.float64(rb[j + 2])
-            p3 += np.float64(ra[j + 3]) * np.float64(rb[j + 3])
-            p4 += np.float64(ra[j + 4]) * np.float64(rb[j + 4])
-            p5 += np.float64(ra[j + 5]) * np.float64(rb[j + 5])
-            p6 += np.float64(ra[j + 6]) * np.float64(rb[j + 6])
-            p7 += np.float64(ra[j + 7]) * np.float64(rb[j + 7])
-        p0, p1, p2, p3, p4, p5, p6, p7 = _tail8(ra, rb, m8, m, p0, p1, p2, p3, p4, p5, p6, p7)
+        p0, p1, p2, p3, p4, p5, p6, p7 = _dot8(ra, rb, m8, m, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
         out[i] = 0.0 + p0 + p1 + p2 + p3 + p4 + p5 + p6 + p7  # in order, from 0.0 (-0.0 sums give +0.0)
 
 

@@ -28,7 +28,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from ._fused_kernels import _jit, _tail8, dsoftmax_row, exp_row, narrow, online_row, row_dots
+from ._fused_kernels import _dot8, _jit, dsoftmax_row, exp_row, narrow, online_row, row_dots
 from ._tanh32 import tanh_
 
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112  # CBLAS enums
@@ -309,17 +309,7 @@ def bwd_head(blas, q, k, v, do, lse, delta, dq, dk, dv, flat,  # BwdArrays
                 dq[i, d] = dq[i, d] * scale  # (A8)
             continue
         finite &= abs(delta[i]) < np.inf
-        qi, dqi = q[i], dq[i]
-        for d in range(0, D8, 8):
-            p0 += np.float64(qi[d]) * np.float64(dqi[d])
-            p1 += np.float64(qi[d + 1]) * np.float64(dqi[d + 1])
-            p2 += np.float64(qi[d + 2]) * np.float64(dqi[d + 2])
-            p3 += np.float64(qi[d + 3]) * np.float64(dqi[d + 3])
-            p4 += np.float64(qi[d + 4]) * np.float64(dqi[d + 4])
-            p5 += np.float64(qi[d + 5]) * np.float64(dqi[d + 5])
-            p6 += np.float64(qi[d + 6]) * np.float64(dqi[d + 6])
-            p7 += np.float64(qi[d + 7]) * np.float64(dqi[d + 7])
-        p0, p1, p2, p3, p4, p5, p6, p7 = _tail8(qi, dqi, D8, D, p0, p1, p2, p3, p4, p5, p6, p7)
+        p0, p1, p2, p3, p4, p5, p6, p7 = _dot8(q[i], dq[i], D8, D, p0, p1, p2, p3, p4, p5, p6, p7)
         for d in range(D):
             dq[i, d] = dq[i, d] * scale  # (A8)
     dscale = 0.0 + p0 + p1 + p2 + p3 + p4 + p5 + p6 + p7  # in order, as the partials' sum always was
