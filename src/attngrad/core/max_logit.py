@@ -9,6 +9,8 @@ with no allowed entry.  No gradient (Transformer Engine's ``return_max_logit``).
 :func:`max_logit` forms the logits again, tile by tile for NumPy (tiles the mask rule
 excludes are skipped, O(tile) memory, heads on the workers) and whole for other arrays;
 the same :func:`.logits.form_logits` as the paths, so the numbers are theirs.
+:func:`max_logit_of` casts the caller's q, k first: the layer (:func:`attngrad.mha_forward`)
+and the varlen front door (:func:`attngrad.sdpa_varlen_forward`, one row per sequence) call it.
 """
 
 from __future__ import annotations
@@ -32,6 +34,12 @@ def max_logit(xp, q, k, prob: Problem, threads=None):
     if xp is np:
         return _tiles(q, k, prob, check_threads(threads)).astype(prob.dtype)
     return xp.astype(_whole(xp, q, k, prob), prob.dtype)
+
+
+def max_logit_of(xp, q, k, prob: Problem, threads=None):
+    """:func:`max_logit` of q, k in the caller's dtype (the layer's heads, a varlen
+    sequence's views): cast to the problem's compute dtype first, as the paths do."""
+    return max_logit(xp, xp.astype(q, prob.cdt, copy=False), xp.astype(k, prob.cdt, copy=False), prob, threads)
 
 
 def _whole(xp, q, k, prob: Problem):

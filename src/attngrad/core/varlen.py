@@ -9,6 +9,7 @@ cu_k[b] .. cu_k[b+1] - 1 of k and v; its queries attend its own keys only:
     causal and windows bottom-right per sequence: pos(i) = i + Lk_b - Lq_b             (VL2)
     rows past cu_q[B] (and keys past cu_k[B]): output 0, gradient 0                   (VL3)
     per-head parameters: dsink, dscale, dslope (H,) summed over the sequences          (VL4)
+    max_logit[b, h] = ML1 of sequence b alone: (B, H), one row per sequence, no gradient
 
 Each sequence runs on the core's own paths (:func:`attngrad.sdpa_forward`'s dense or tiled
 path, chosen by ``impl``), on (1, H, L_b, D) views of the packed arrays: no (total x total)
@@ -24,11 +25,12 @@ from typing import NamedTuple
 import numpy as np
 
 from ..runtime._xp import check_array, check_float_dtypes, dtype_name
+from .max_logit import max_logit_of
 from .options import AttentionOptions
-from .problem import _dropout_p, _dropout_seed
+from .problem import _dropout_p, _dropout_seed, make_problem
 from .sdpa import forward, make_run, sdpa_backward
 
-__all__ = ["VarlenCache", "sdpa_varlen_backward", "sdpa_varlen_forward"]
+__all__ = ["VarlenCache", "sdpa_varlen_backward", "sdpa_varlen_forward", "varlen_max_logit"]
 
 _GOLDEN = 0x9E3779B97F4A7C15  # sequence b's dropout seed: seed + b * this (mod 2^64)
 
@@ -59,9 +61,13 @@ class VarlenCache(NamedTuple):
 def sdpa_varlen_forward(
     q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale=None, softcap=None, sinks=None,
     alibi_slopes=None, window=None, dropout_p=0.0, dropout_seed=None, scale_grad=False,
-    impl="auto", block_q=None, block_k=None, threads=None,
+    impl="auto", block_q=None, block_k=None, threads=None, return_max_logit=False,
 ):
-    """Attention over a varlen batch.  Returns ``(out, cache)``, out (total_q, H, Dv).
+    """Attention over a varlen batch.  Returns ``(out, cache)``, out (total_q, H, Dv);
+    ``return_max_logit=True``: ``(out, cache, max_logit)``, max_logit (B, H) in q's dtype,
+    row b each head's largest allowed logit of sequence b (ML1 per sequence, over its own
+    causal / window entries, after the soft-cap and ALiBi; -inf for a sequence with no
+    allowed entry, a zero-length one; sinks and dropout are not logits; no gradient).
 
     q (total_q, H, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv) NumPy arrays of one
     floating dtype (H a multiple of Hkv); cu_seqlens_q, cu_seqlens_k (B + 1,) int32 or
@@ -79,21 +85,10 @@ def sdpa_varlen_forward(
       b * 0x9E3779B97F4A7C15) mod 2^64.  No bias or boolean mask (bias-free).
     - impl, block_q, block_k, threads: as in sdpa_forward, for every sequence.
     """
-    sh = _check_qkv(q, k, v)
-    cu_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, sh.total_q, "total_q")
-    cu_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, sh.total_k, "total_k")
-    if cu_q.shape != cu_k.shape:
-        raise ValueError(
-            f"cu_seqlens_q and cu_seqlens_k must have one length (B + 1); got {cu_q.shape[0]} and {cu_k.shape[0]}"
-        )
-    B = cu_q.shape[0] - 1
-    sh = sh._replace(batch=B)
-    if causal is None:
-        causal = False
-    if causal is True:
-        causal = "bottom_right"  # (VL2)
-    if causal not in (False, "bottom_right", "top_left"):
-        raise ValueError(f"causal must be False, True, 'bottom_right' or 'top_left'; got {causal!r}")
+    if not isinstance(return_max_logit, bool):
+        raise TypeError(f"return_max_logit must be True or False; got {return_max_logit!r}")
+    sh, cu_q, cu_k, causal = _check_batch(q, k, v, cu_seqlens_q, cu_seqlens_k, causal)
+    B = sh.batch
     slopes, alibi_shape = _slopes(alibi_slopes, B, sh.heads)
     p = _dropout_p(dropout_p)
     seed = _dropout_seed(dropout_seed, p)
@@ -112,7 +107,52 @@ def sdpa_varlen_forward(
         caches.append(cache)
     cache = VarlenCache(tuple(caches), cu_q, cu_k, sh, q.dtype, alibi_shape, sinks is not None,
                         bool(scale_grad))
+    if return_max_logit:
+        return out, cache, _max_logits(q, k, cu_q, cu_k, [c.problem for c in caches], threads)  # (ML1)
     return out, cache
+
+
+def varlen_max_logit(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale=None, softcap=None,
+                     alibi_slopes=None, window=None, threads=None):
+    """The max logit of :func:`sdpa_varlen_forward` (``return_max_logit=True``) without the
+    attention itself: (B, H) in q's dtype, row b each head's largest allowed logit of
+    sequence b (ML1).  Arguments as there (v for its shape only)."""
+    sh, cu_q, cu_k, causal = _check_batch(q, k, v, cu_seqlens_q, cu_seqlens_k, causal)
+    slopes, _ = _slopes(alibi_slopes, sh.batch, sh.heads)
+    base = AttentionOptions(causal=causal, scale=scale, softcap=softcap, window=window)
+    problems = []
+    for b in range(sh.batch):
+        q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
+        opts = base.replace(alibi_slopes=None if slopes is None else (slopes if slopes.ndim == 1 else slopes[b]))
+        problems.append(make_problem(np, _heads(q, q0, q1), _heads(k, k0, k1), _heads(v, k0, k1), opts))
+    return _max_logits(q, k, cu_q, cu_k, problems, threads)
+
+
+def _max_logits(q, k, cu_q, cu_k, problems, threads):
+    """(B, H): row b the max logit of sequence b's views under its problem (ML1)."""
+    top = np.empty((len(problems), q.shape[1]), dtype=q.dtype)
+    for b, prob in enumerate(problems):
+        q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
+        top[b] = max_logit_of(np, _heads(q, q0, q1), _heads(k, k0, k1), prob, threads)[0]  # (ML1) (H,)
+    return top
+
+
+def _check_batch(q, k, v, cu_seqlens_q, cu_seqlens_k, causal):
+    """The checked varlen batch: (shape with B, cu_q, cu_k int64, causal normalised (VL2))."""
+    sh = _check_qkv(q, k, v)
+    cu_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, sh.total_q, "total_q")
+    cu_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, sh.total_k, "total_k")
+    if cu_q.shape != cu_k.shape:
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must have one length (B + 1); got {cu_q.shape[0]} and {cu_k.shape[0]}"
+        )
+    if causal is None:
+        causal = False
+    if causal is True:
+        causal = "bottom_right"  # (VL2)
+    if causal not in (False, "bottom_right", "top_left"):
+        raise ValueError(f"causal must be False, True, 'bottom_right' or 'top_left'; got {causal!r}")
+    return sh._replace(batch=cu_q.shape[0] - 1), cu_q, cu_k, causal
 
 
 def sdpa_varlen_backward(dout, cache, *, out=None) -> dict:

@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..core.max_logit import max_logit_of
 from ..core.options import AttentionOptions
 from ..core.sdpa import SDPACache, forward, make_run, on_workers
 from ..core.tiled import auto_rule
@@ -76,8 +77,13 @@ def mha_forward(
     dropout_seed=None,
     scale_grad=False,
     gate=None,
+    return_max_logit=False,
 ):
-    """Multi-head attention.  Returns ``(y, cache)``, y of shape (B, Lq, E_out).
+    """Multi-head attention.  Returns ``(y, cache)``, y of shape (B, Lq, E_out);
+    ``return_max_logit=True``: ``(y, cache, max_logit)``, max_logit (B, H) each head's
+    largest allowed logit of the attention core (ML1, as :func:`attngrad.sdpa_forward`'s:
+    after QK-norm, RoPE, the soft-cap, bias and ALiBi, over the entries the masks allow;
+    -inf for a head with none; no gradient), for QK-clip.
 
     query (B, Lq, E); key (B, Lk, kdim), default: query (self-attention); value
     (B, Lk, vdim), default: key.  Masks and ``impl`` ("auto", "dense", "tiled") as in
@@ -105,6 +111,8 @@ def mha_forward(
     (one gate per head, over its Dv features) or (E, H*Dv) and (H*Dv,) elementwise; b_g is
     optional.  Their gradients come back under the same keys.
     """
+    if not isinstance(return_max_logit, bool):
+        raise TypeError(f"return_max_logit must be True or False; got {return_max_logit!r}")
     H, Hkv, D, Dv = check_params(params, num_heads, num_kv_heads)
     gate = check_gate(params, gate, H, Dv)
     qk_opts = check_qk_options(params, rope, qk_norm, qk_norm_eps, D)
@@ -152,6 +160,8 @@ def mha_forward(
         c, gated = gate_forward(xp, query, c, params, gate, H, pool=on_pool)
     y = project(xp, c, wo, bo, pool=on_pool)  # (M4) (GA3) (B, Lq, E_out)
     cache = MHACache(dict(params), query, key_src, value_src, sources, c, attn, H, Hkv, qk, gated)
+    if return_max_logit:
+        return y, cache, max_logit_of(xp, q, k, attn.problem)  # (ML1) (B, H)
     return y, cache
 
 

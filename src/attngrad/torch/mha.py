@@ -24,7 +24,10 @@ Differences from torch, on purpose: a query row with no key to attend gives 0 (t
 ``need_weights=True`` path gives NaN there); a gradient flowing into the returned
 attention weights (after dropout, as torch's) is refused with an error in the backward
 (attngrad's layer differentiates its output only); ``add_bias_kv`` and ``add_zero_attn``
-are refused.
+are refused.  ``forward(..., return_max_logit=True)`` also returns each head's largest
+allowed logit (N, num_heads), appended as a third item (ML1; Transformer Engine's
+``return_max_logit``, for QK-clip): :func:`attngrad.mha_forward` forms it from the layer's
+own projected heads, masks and causal rule.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ class LayerOptions:
     need_weights: bool
     dropout_p: float = 0.0
     dropout_seed: int | None = None
+    max_logit: bool = False  # also return each head's largest allowed logit (ML1), no gradient
 
 
 def _attngrad_params(w_in, w_q, w_k, w_v, b_in, w_out, b_out) -> dict:
@@ -70,7 +74,8 @@ def _weights(attn_cache, lq: int, lk: int, options: LayerOptions):
 
 
 class MHAFunction(torch.autograd.Function):
-    """(B, Lq, E), (B, Lk, kdim), (B, Lk, vdim) + torch's parameters -> (B, Lq, E) [, P]."""
+    """(B, Lq, E), (B, Lk, kdim), (B, Lk, vdim) + torch's parameters -> (B, Lq, E) [, P]
+    [, max_logit (B, H): non-differentiable]."""
 
     @staticmethod
     def forward(ctx, query, key, value, w_in, w_q, w_k, w_v, b_in, w_out, b_out, bias, mask,
@@ -82,24 +87,30 @@ class MHAFunction(torch.autograd.Function):
         if ctx.numpy:  # CPU: zero-copy NumPy views; attngrad's tiled/compiled path where it pays
             params = {n: _np(t) for n, t in params.items()}
             query, key, value, mask, key_mask, bias = (_np(t) for t in (query, key, value, mask, key_mask, bias))
-        y, cache = mha_forward(
+        y, cache, *top = mha_forward(
             params, query, key, value, num_heads=options.num_heads, mask=mask, key_mask=key_mask,
             causal=options.causal, bias=bias, dropout_p=options.dropout_p,
             dropout_seed=options.dropout_seed, impl="auto" if ctx.numpy else "dense",
-        )  # (M1)-(M4) (B, Lq, E)
+            return_max_logit=options.max_logit,
+        )  # (M1)-(M4) (B, Lq, E) [, (ML1) (B, H)]
         y = _torch(y)
+        top = tuple(_torch(t) for t in top)  # () or (max_logit (B, H),)
+        if top:
+            ctx.mark_non_differentiable(*top)
         ctx.cache = cache  # memory: C (B, Lq, E), P or the tiled path's O(N), inputs and params by reference
         ctx.packed = w_in is not None
         ctx.out_shape, ctx.out_dtype, ctx.out_device = tuple(y.shape), y.dtype, y.device
+        ctx.need_weights = options.need_weights
         if not options.need_weights:
-            return y
+            return (y, *top) if top else y
         ctx.set_materialize_grads(False)  # an unused weights output sends None, not zeros
-        return y, _torch(_weights(cache.attn, query.shape[1], key.shape[1], options))  # (B, H, Lq, Lk)
+        return y, _torch(_weights(cache.attn, query.shape[1], key.shape[1], options)), *top  # (B, H, Lq, Lk)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, dy, dweights=None):
+    def backward(ctx, dy, *rest):
         _ = ctx.saved_tensors  # raises if an input was modified in place since the forward
+        dweights = rest[0] if ctx.need_weights else None  # the max logit's, last, is ignored: no gradient
         if dweights is not None and bool(torch.any(dweights != 0)):
             raise NotImplementedError(
                 "attngrad.torch.MultiheadAttention differentiates its output only: a loss that "
@@ -155,9 +166,18 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
                          kdim, vdim, batch_first, device, dtype)
 
     def forward(self, query, key, value, key_padding_mask=None, need_weights=True,
-                attn_mask=None, average_attn_weights=True, is_causal=False):
+                attn_mask=None, average_attn_weights=True, is_causal=False, *, return_max_logit=False):
         """As ``torch.nn.MultiheadAttention.forward``: returns ``(attn_output, attn_weights)``,
-        weights averaged over heads when ``average_attn_weights``, None unless ``need_weights``."""
+        weights averaged over heads when ``average_attn_weights``, None unless ``need_weights``.
+
+        ``return_max_logit=True`` (keyword only; attngrad's, for QK-clip / MuonClip as
+        Transformer Engine's): ``(attn_output, attn_weights, max_logit)``, max_logit (N,
+        num_heads) ((num_heads,) for unbatched input) each head's largest logit
+        ``q·k / sqrt(head_dim)`` plus a float ``attn_mask`` / ``key_padding_mask``, over the
+        entries that ``attn_mask``, ``key_padding_mask`` and ``is_causal`` allow (ML1; -inf
+        for a head with none; dropout is not a logit); in query's dtype, with no gradient."""
+        if not isinstance(return_max_logit, bool):
+            raise TypeError(f"return_max_logit must be True or False; got {return_max_logit!r}")
         batched = _check_dims(query, key, value, key_padding_mask, attn_mask)
         if not batched:  # (L, E) -> (1, L, E); masks gain the batch axis too
             query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
@@ -176,18 +196,20 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
             bias = kpm_bias if bias is None else bias + kpm_bias  # (N, H|1, Lq|1, Lk)
         dropout = dropout_options(self.dropout if self.training else 0.0)
         options = LayerOptions(self.num_heads, "top_left" if is_causal else False,
-                               bool(need_weights), **dropout)
+                               bool(need_weights), **dropout, max_logit=return_max_logit)
         result = MHAFunction.apply(
             query, key, value, self.in_proj_weight, self.q_proj_weight, self.k_proj_weight,
             self.v_proj_weight, self.in_proj_bias, self.out_proj.weight, self.out_proj.bias,
             bias, mask, key_mask, options,
         )
-        y, weights = result if need_weights else (result, None)  # (N, Lq, E), (N, H, Lq, Lk)
+        result = result if isinstance(result, tuple) else (result,)
+        y, weights = result[0], result[1] if need_weights else None  # (N, Lq, E), (N, H, Lq, Lk)
+        top = result[-1:] if return_max_logit else ()  # ((N, H),) (ML1) or ()
         if weights is not None and average_attn_weights:
             weights = weights.mean(dim=1)  # (N, Lq, Lk)
         if not batched:
-            return y.squeeze(0), None if weights is None else weights.squeeze(0)
-        return (y if self.batch_first else y.transpose(0, 1)), weights
+            return y.squeeze(0), None if weights is None else weights.squeeze(0), *(t.squeeze(0) for t in top)
+        return (y if self.batch_first else y.transpose(0, 1)), weights, *top
 
 
 def _check_dims(query, key, value, key_padding_mask, attn_mask) -> bool:

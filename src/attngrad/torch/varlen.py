@@ -8,7 +8,8 @@ forward and backward are :func:`attngrad.sdpa_varlen_forward` /
 wrapped as the ``attngrad::varlen`` :func:`torch.library.custom_op` with its autograd
 formula (``torch.library.opcheck`` passes; it compiles under ``torch.compile``).  The
 backward runs the forward again (the per-sequence caches are not tensors an op can return)
-and then the closed form.  CPU tensors only.
+and then the closed form.  CPU tensors only.  ``return_max_logit=True`` also returns the
+(B, H) max logit of each sequence's heads (ML1, no gradient): the ``attngrad::varlen_max_logit`` op.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 
 from attngrad.core.varlen import sdpa_varlen_backward, sdpa_varlen_forward
+from attngrad.torch.max_logit import varlen_max_logit_op
 from attngrad.torch.ops import _np, _window
 from attngrad.torch.sdpa import IMPLS, _dropout, _per_head, _real, _window_arg
 from attngrad.torch.threads import torch_threads
@@ -157,6 +159,7 @@ def varlen_attention(
     sinks=None,
     alibi_slopes=None,
     impl="auto",
+    return_max_logit=False,
 ):
     """Attention over packed sequences (``flash_attn_varlen_func``'s layout) -> (total_q, H, Dv).
 
@@ -173,6 +176,12 @@ def varlen_attention(
     per sequence (bottom-right positions).  scale (default 1/sqrt(D)), softcap c > 0,
     sinks (H,) and alibi_slopes (H,) or (B, H) tensors (their gradients flow), dropout_p
     (a seed from torch's RNG; sequence b its own mask), impl "auto", "tiled" or "dense".
+
+    return_max_logit=True: ``(out, max_logit)``, max_logit (B, H) in q's dtype, row b each
+    head's largest allowed logit of sequence b (after the scale, softcap and ALiBi, over its
+    causal / window entries; -inf for a zero-length sequence; sinks and dropout are not
+    logits), with no gradient: Transformer Engine's ``return_max_logit``, one row per
+    sequence (ML1).
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -195,8 +204,15 @@ def varlen_attention(
         raise ValueError(f"causal must be False, True, 'bottom_right' or 'top_left'; got {causal!r}")
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {list(IMPLS)}; got {impl!r}")
+    if not isinstance(return_max_logit, bool):
+        raise TypeError(f"return_max_logit must be a bool; got {type(return_max_logit).__name__}")
     p, seed = _dropout(dropout_p)
-    return varlen_op(
-        q, k, v, cu_q, cu_k, _per_head("sinks", sinks, q), _per_head("alibi_slopes", alibi_slopes, q), seed,
-        alignment, _real("scale", scale), _real("softcap", softcap, True), _window_arg(window), p, impl,
-    )
+    alibi = _per_head("alibi_slopes", alibi_slopes, q)
+    scale, softcap, window = _real("scale", scale), _real("softcap", softcap, True), _window_arg(window)
+    out = varlen_op(q, k, v, cu_q, cu_k, _per_head("sinks", sinks, q), alibi, seed, alignment, scale, softcap,
+                    window, p, impl)
+    if not return_max_logit:
+        return out
+    top = varlen_max_logit_op(q.detach(), k.detach(), v.detach(), cu_q, cu_k, None if alibi is None else alibi.detach(),
+                              alignment, scale, softcap, window)  # (B, H) (ML1)
+    return out, top
