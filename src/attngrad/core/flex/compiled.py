@@ -12,7 +12,9 @@ keeping the machine code next to it.  The route is taken where the fused kernels
 float32 or float64, both lengths are non-zero and every operation of the score function has
 a compiled form; otherwise, or where a captured tensor is read out of range (so that the
 NumPy route raises the IndexError naming it), :mod:`.tiled`'s NumPy tile loop runs (and
-where numba fails to compile the loops, with a RuntimeWarning saying so).
+where numba fails to compile the loops, with a RuntimeWarning saying so).  A result that
+comes out non-finite is replaced by the NumPy tile loop's full run (:mod:`.tiled`: the
+dense path's NaN and inf pattern, RELIABILITY 27).
 
 The mask is a plan per head and run of query tiles (:class:`Plans`): the tile rule's SKIP,
 FULL or partial answer per tile, the partial tiles' allowed entries stacked.  A run holds at
