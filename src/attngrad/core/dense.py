@@ -18,9 +18,10 @@ from ..runtime import fused, products
 from ..runtime._xp import Array
 from ..runtime.parallel import exp_inplace
 from ..runtime.workspace import SEQUENTIAL, scratch
+from ..scores.variants import alibi, softcap
 from . import dense_rows
 from .dropout import keep_heads
-from .logits import alibi_grad_distance, form_logits, softcap_backward
+from .logits import form_logits
 from .lse_grad import alibi_lse_term
 from .problem import Problem, SDPAShape, problem_views
 
@@ -246,7 +247,7 @@ def dense_backward(xp, do, cache: SDPACache, out: dict | None = None, dlse=None)
             g = g.copy()  # a full-size bias's dS is a view of ds, which (V1) scales in place below
         grads["bias"] = g
     if prob.alibi is not None:  # (V4) dslope_h = -sum_ij dS_ij |pos(i) - j|
-        dist = alibi_grad_distance(xp, ds.dtype, 0, Lq, 0, Lk, prob.spec.offset, Lk,
+        dist = alibi.grad_distance(xp, ds.dtype, 0, Lq, 0, Lk, prob.spec.offset, Lk,
                                    prob.sinks is not None)  # (Lq, Lk) (V8)
         per = -xp.sum(xp.astype(xp.reshape(ds, (B, H, Lq, Lk)) * dist, xp.float64), axis=(2, 3))  # (B, H)
         fix = None if dl is None else alibi_lse_term(
@@ -257,7 +258,7 @@ def dense_backward(xp, do, cache: SDPACache, out: dict | None = None, dlse=None)
         dd = delta if dl is None else delta - dl  # (LS3) delta' = delta - dlse
         per = -xp.astype(xp.reshape(cache.psink * dd, (B, H, Lq)), xp.float64)  # (B, H, Lq)
         grads["sinks"] = xp.sum(xp.sum(per, axis=2), axis=0)  # (H,)
-    ds = softcap_backward(xp, ds, cache.t)  # (V1) dS0
+    ds = softcap.backward(xp, ds, cache.t)  # (V1) dS0
     dq_raw = _product(ds, k, out.get("q") if G == 1 else None)  # (B, Hkv, G*Lq, D)  dS0 K
     if prob.scale_grad:  # (V7) dL/dscale = sum(Q * dS0 K)
         grads["scale"] = xp.sum(xp.astype(qg * dq_raw, xp.float64))

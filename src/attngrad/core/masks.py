@@ -29,6 +29,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..runtime._xp import Array, check_array, check_broadcast, dtype_name, frozen_record
+from ..scores.variants import all_of
+from ..scores.variants import causal as causal_rule
+from ..scores.variants import padding as padding_rule
+from ..scores.variants import segments as segments_rule
+from ..scores.variants import window as window_rule
 
 CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
 
@@ -62,6 +67,13 @@ def _positional_intervals(lq: int, lk: int, offset: int, causal, window) -> tupl
     lo = np.zeros(lq, np.int64) if lo is None else np.maximum(lo, 0)
     hi = np.full(lq, lk - 1, np.int64) if hi is None else np.minimum(hi, lk - 1)
     return _read_only(lo), _read_only(hi)
+
+
+def _meet(a, b):
+    """The intersection of two key intervals ``(lo, hi)`` (None: unbounded)."""
+    lo = a[0] if b[0] is None else b[0] if a[0] is None else np.maximum(a[0], b[0])
+    hi = a[1] if b[1] is None else b[1] if a[1] is None else np.minimum(a[1], b[1])
+    return lo, hi
 
 
 def _read_only(a) -> np.ndarray:
@@ -114,16 +126,13 @@ class MaskSpec:
         return self.mask is None and self.keys is None and self.q_seg is None
 
     def _bounds(self, i):
-        """Lowest and highest key each query position may attend (structural rules only)."""
+        """Lowest and highest key each query position may attend (structural rules only):
+        the intersection of the causal and window rules' intervals (their modules' ``bounds``)."""
         lo, hi = None, None
         if self.causal is not None:
-            hi = i
+            lo, hi = _meet((lo, hi), causal_rule.bounds(i))  # (A2)
         if self.window is not None:
-            left, right = self.window
-            if left is not None:
-                lo = i - left
-            if right is not None:
-                hi = i + right if hi is None else np.minimum(hi, i + right)
+            lo, hi = _meet((lo, hi), window_rule.bounds(i, *self.window))  # (V5)
         return lo, hi
 
     def row_intervals(self, b: int):
@@ -157,31 +166,38 @@ class MaskSpec:
         def batch(a):  # batch row b of a (b|B, ...) array
             return a if b is None or a.shape[0] == 1 else a[rows]
 
-        def both(a, b):
-            return b if a is None else xp.logical_and(a, b)
-
-        if self.causal is not None or self.window is not None:
-            i = xp.arange(q0, q1)[:, None] + self.offset  # (lq_tile, 1) query positions
-            j = xp.arange(k0, k1)[None, :]  # (1, lk_tile)
-            if self.causal is not None:
-                allowed = both(allowed, (j <= i)[None, None])  # (A2) causal
-            if self.window is not None:
-                left, right = self.window
-                if left is not None:
-                    allowed = both(allowed, (j >= i - left)[None, None])  # (V5)
-                if right is not None:
-                    allowed = both(allowed, (j <= i + right)[None, None])  # (V5)
-        if self.keys is not None:
-            allowed = both(allowed, batch(self.keys)[:, None, None, k0:k1])  # (B, 1, 1, lk_tile)
-        if self.q_seg is not None:
-            same = batch(self.q_seg)[:, None, q0:q1, None] == batch(self.kv_seg)[:, None, None, k0:k1]  # (V6)
-            allowed = both(allowed, same)  # (B, 1, lq_tile, lk_tile)
+        bi = xp.reshape(xp.arange(self.batch) if b is None else xp.asarray([b]), (-1, 1, 1, 1))  # (B|1, 1, 1, 1)
+        q_idx = xp.reshape(xp.arange(q0, q1), (q1 - q0, 1))  # (lq_tile, 1)
+        k_idx = xp.reshape(xp.arange(k0, k1), (1, k1 - k0))  # (1, lk_tile)
+        allowed = self.allows(xp, bi, q_idx, k_idx)  # broadcastable to (B|1, 1, lq_tile, lk_tile), or None
+        while allowed is not None and allowed.ndim < 4:
+            allowed = allowed[None]
         if self.mask is not None:
             m = batch(self.mask)
             m = m[..., q0:q1, :] if m.shape[2] != 1 else m
             m = m[..., k0:k1] if m.shape[3] != 1 else m
-            allowed = both(allowed, m)
+            allowed = m if allowed is None else xp.logical_and(allowed, m)
         return allowed
+
+    def allows(self, xp, b, q_idx, kv_idx):
+        """The structural rules at batch rows ``b``, query indices ``q_idx`` and key indices
+        ``kv_idx`` (integers or index arrays that broadcast together, like a FlexAttention
+        ``mask_mod``'s: a tile's query column and key row, or gathered key slots), ANDed:
+        causal (A2), window (V5) and segments (V6) each its variant module's mask function
+        (:mod:`attngrad.scores.variants`), and the key structure of key padding read at
+        (b, kv_idx).  None when none is set; the explicit ``mask`` is not included."""
+        rules = []
+        if self.causal is not None:
+            rules.append(causal_rule.rule(self.offset))  # (A2)
+        if self.window is not None and self.window != (None, None):
+            rules.append(window_rule.rule(*self.window, offset=self.offset))  # (V5)
+        if self.keys is not None:
+            keys = self.keys
+            rules.append(lambda b, h, q_idx, kv_idx: keys[b if keys.shape[0] != 1 else 0, kv_idx])  # (A2)
+        if self.q_seg is not None:
+            rules.append(segments_rule.rule(self.q_seg, self.kv_seg))  # (V6)
+        rule = all_of(*rules)
+        return None if rule is None else rule(b, 0, q_idx, kv_idx)
 
     def block_may_attend(self, q0: int, q1: int, k0: int, k1: int) -> bool:
         """False when the positional rules (causal, window) alone mask the whole tile, so a
@@ -323,8 +339,9 @@ def _keys_from_lengths(xp, key_lengths, batch: int, lk: int):
         for b, n in enumerate(values):
             keys[b, :n] = True
         return keys
-    j = xp.arange(lk)  # (Lk,)
-    return xp.less(j, key_lengths[:, None])  # (B, Lk)
+    j = xp.reshape(xp.arange(lk), (1, lk))  # (1, Lk)
+    b = xp.reshape(xp.arange(batch), (batch, 1))  # (B, 1)
+    return padding_rule.rule(key_lengths)(b, 0, 0, j)  # (A2) (B, Lk)
 
 
 _FILL_BATCH = 8  # up to this batch size, _keys_from_lengths fills rows instead of comparing

@@ -60,20 +60,9 @@ def _gather(prob: Problem, blk: Block, k, v) -> Gathered:
     present = ix >= 0
     jj = np.where(present, ix, 0)  # (bq, K)
     valid = present[None]  # (1, bq, K)
-    pos = np.arange(blk.q0, blk.q1)[:, None] + spec.offset  # (bq, 1) query positions
-    if spec.causal is not None:
-        valid = valid & (jj <= pos)  # (A2) causal, ANDed per slot
-    if spec.window is not None:
-        left, right = spec.window
-        if left is not None:
-            valid = valid & (jj >= pos - left)  # (V5)
-        if right is not None:
-            valid = valid & (jj <= pos + right)
-    if spec.keys is not None:
-        valid = valid & spec.keys[blk.b if spec.keys.shape[0] > 1 else 0][jj]  # key padding
-    if spec.q_seg is not None:
-        same = spec.q_seg[blk.b, blk.q0:blk.q1][:, None] == spec.kv_seg[blk.b][jj]  # (V6)
-        valid = valid & same
+    rules = spec.allows(np, blk.b, np.arange(blk.q0, blk.q1)[:, None], jj)  # (A2, V5, V6) at the slots (bq, K)
+    if rules is not None:
+        valid = valid & rules  # ANDed per slot
     if spec.mask is not None:
         valid = valid & _gather4(spec.mask, blk, jj)
     valid = np.ascontiguousarray(valid)

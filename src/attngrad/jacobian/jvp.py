@@ -23,6 +23,7 @@ import numpy as np
 from ..core.dense import softmax_with_sinks
 from ..core.options import AttentionOptions, options_in
 from ..core.problem import make_problem
+from ..scores.variants import softcap
 from . import memo
 from .variants import NO_VARIANTS, LogitVariants, logit_variants, refuse_unsupported
 
@@ -146,8 +147,7 @@ def attention_primal(q, k, v, allowed, scale, var: LogitVariants = NO_VARIANTS) 
     np.multiply(s, scale, out=s)  # (A1) in place: s is the product's fresh result
     t = None
     if var.softcap is not None:
-        t = np.tanh(s / var.softcap)  # (V1)
-        s = var.softcap * t  # (V1) S1 = c tanh(S0 / c)
+        s, t = softcap.forward(np, s, var.softcap)  # (V1) S1 = c tanh(S0 / c), s ours
     if var.add is not None:
         s = s + var.add  # (A1, V4) + Bias − slope |pos(i) − j|
     p, _ = softmax_with_sinks(np, s, allowed, var.sinks, overwrite=True)  # (A2, V2) s is ours to clobber

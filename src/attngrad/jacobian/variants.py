@@ -27,9 +27,9 @@ from typing import NamedTuple
 import numpy as np
 
 from ..core.dropout import keep_heads
-from ..core.logits import alibi_distance
 from ..core.options import AttentionOptions
 from ..core.problem import Problem
+from ..scores.variants import alibi
 
 SCALE_GRAD = "it asks the backward for dL/dscale; these tools take no tangent for the scale"
 
@@ -80,7 +80,7 @@ def logit_variants(prob: Problem) -> LogitVariants:
     sh = prob.shape
     add = prob.bias  # (b, h, Lq, Lk) or None
     if prob.alibi is not None:
-        dist = alibi_distance(np, np.float64, 0, sh.lq, 0, sh.lk, prob.spec.offset)  # (Lq, Lk)
+        dist = alibi.distance(np, np.float64, 0, sh.lq, 0, sh.lk, prob.spec.offset)  # (Lq, Lk)
         ali = -prob.alibi[:, :, None, None] * dist  # (V4) (b, H, Lq, Lk)
         add = ali if add is None else add + ali
     sinks = None if prob.sinks is None else np.reshape(prob.sinks, (1, sh.heads, 1, 1))

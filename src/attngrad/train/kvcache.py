@@ -25,6 +25,8 @@ from ..layers.norm import norm_forward
 from ..layers.positional import sinusoidal_table
 from ..layers.rmsnorm import rmsnorm_forward
 from ..layers.swiglu import swiglu_forward
+from ..scores.variants import causal
+from ..scores.variants import window as sliding
 
 KV_MODELS = ("decoder", "llama")
 
@@ -107,10 +109,10 @@ class KVCache:
         n, lk, d = q.shape[1], K.shape[1], q.shape[2]
         qg = q.reshape(kv_heads, g * n, d)  # query head h = kv * g + j serves kv head kv
         s = (qg @ K.transpose(0, 2, 1)).reshape(kv_heads, g, n, lk) * np.asarray(1.0 / math.sqrt(d), q.dtype)
-        qpos = lk - n + np.arange(n)  # the new positions, causal over the cache
-        allowed = np.arange(lk)[None, :] <= qpos[:, None]  # (A1) causal (n, Lk)
+        i, j = np.arange(n)[:, None], np.arange(lk)[None, :]  # (n, 1) new queries, (1, Lk) keys
+        allowed = causal.rule(lk - n)(0, 0, i, j)  # (A2) causal over the cache, bottom-right (n, Lk)
         if window is not None:
-            allowed &= np.arange(lk)[None, :] >= qpos[:, None] - window[0]  # (V5) sliding window
+            allowed &= sliding.rule(window[0], None, lk - n)(0, 0, i, j)  # (V5) sliding window
         s = np.where(allowed, s, -np.inf)  # (A1)
         s = s - s.max(axis=-1, keepdims=True)
         e = np.exp(s)

@@ -17,8 +17,9 @@ import numpy as np
 from ...runtime import fused
 from ...runtime._xp import Array
 from ...runtime.parallel import run_units
+from ...scores.variants import alibi, softcap
 from ..dropout import keep_tile
-from ..logits import alibi_grad_distance, form_logits, softcap_backward
+from ..logits import form_logits
 from ..problem import Problem
 from .cache import tile_buf, worker_scratch
 from .masks import SKIP, FullTileMasks, TileMask, TileMasks, bias_tile, head_used, index_bh, used
@@ -170,10 +171,10 @@ def tile_grads(run: HeadRun, tile: Tile, probs: tuple, ops: TileOps, rows: HeadR
     if acc.db is not None:
         _add_bias_grad(acc.db, ds, tile)  # (A10)
     if prob.alibi is not None:  # (V4)
-        dist = alibi_grad_distance(np, np.float64, q0, q1, k0, k1, prob.spec.offset,
+        dist = alibi.grad_distance(np, np.float64, q0, q1, k0, k1, prob.spec.offset,
                                    prob.shape.lk, prob.sinks is not None)  # (V8)
         acc.per_head[0] -= np.vdot(ds, dist)  # float64 sum
-    ds = softcap_backward(np, ds, t)  # (V1) dS0
+    ds = softcap.backward(np, ds, t)  # (V1) dS0
     acc.dk[k0:k1] += ds.T @ ops.q_raw  # (A9) scaled below  (bk, D)
     g = ds @ ops.k  # (A8) dS0 K  (bq, D)
     acc.dq[q0:q1] += g

@@ -1,6 +1,16 @@
-"""ALiBi (V4): S = S¹ − slope_h · |pos(i) − j|, pos(i) = i + offset; ∂S/∂slope_h = −|pos(i) − j|."""
+"""ALiBi (V4): S = S¹ − slope_h · |pos(i) − j|, pos(i) = i + offset; ∂S/∂slope_h = −|pos(i) − j|.
+
+:func:`rule` is the definition (a FlexAttention score function); :func:`distance`,
+:func:`forward` and :func:`grad_distance` are the same rule on a tile of queries and keys,
+as the dense path, the NumPy tile loop and the Jacobian tools call them
+(``tests/test_variant_modules.py`` checks them against the derivative derived from
+:func:`rule`).  The compiled tile loops (``runtime/_tiled_kernels.py``) write the same
+distance per element.
+"""
 
 from __future__ import annotations
+
+import numpy as np
 
 NAME, TAG, KIND = "alibi", "(V4)", "score"
 SYMBOLS = (("slopes", (2,), float),)
@@ -16,3 +26,31 @@ def rule(slopes, offset: int = 0):
         return score - slope * abs(q_idx + offset - kv_idx)  # (V4)
 
     return alibi
+
+
+def distance(xp, dtype, q0: int, q1: int, k0: int, k1: int, offset: int):
+    """|pos(i) − j| for queries [q0, q1) and keys [k0, k1): (q1 − q0, k1 − k0) in ``dtype``."""
+    i = xp.arange(q0, q1)[:, None] + offset  # (lq_tile, 1) query positions
+    j = xp.arange(k0, k1)[None, :]  # (1, lk_tile)
+    return xp.astype(xp.abs(i - j), dtype)  # (lq_tile, lk_tile)
+
+
+def forward(xp, s, slopes, dist):
+    """(V4) S − slope_h · dist, ``slopes`` broadcasting against ``s`` and ``dist`` from
+    :func:`distance`; NumPy: in ``s``'s buffer."""
+    ali = slopes * dist  # slope_h |pos(i) - j|
+    return np.subtract(s, ali, out=s) if xp is np else s - ali
+
+
+def grad_distance(xp, dtype, q0: int, q1: int, k0: int, k1: int, offset: int, lk: int, sinks: bool):
+    """The distances that dL/dslope_h = −Σ dS ∘ dist sums dS against (V8): |pos(i) − j| less
+    c_i, the distance from pos(i) to the keys [0, Lk − 1], for rows without a sink (their dS
+    sums to 0, so the shift changes nothing in exact arithmetic and keeps a row far from its
+    keys from multiplying the rounding of that zero sum by ~|pos(i)|); with sinks, (V4) as is."""
+    dist = distance(xp, xp.float64, q0, q1, k0, k1, offset)  # (lq_tile, lk_tile)
+    if not sinks:
+        pos = xp.arange(q0, q1)[:, None] + offset  # (lq_tile, 1)
+        zero = xp.zeros((), dtype=pos.dtype)
+        c = xp.maximum(xp.maximum(-pos, pos - (lk - 1)), zero)  # (lq_tile, 1) (V8)
+        dist = dist - xp.astype(c, xp.float64)
+    return xp.astype(dist, dtype)

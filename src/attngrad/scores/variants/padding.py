@@ -1,4 +1,8 @@
-"""Key padding (A2): key j of sequence b is attended iff j < lengths[b]."""
+"""Key padding (A2): key j of sequence b is attended iff j < lengths[b].
+
+:func:`rule` is the definition (a FlexAttention mask function); ``core.masks`` evaluates it
+on index arrays to turn ``key_lengths`` into the (B, Lk) key structure.
+"""
 
 from __future__ import annotations
 

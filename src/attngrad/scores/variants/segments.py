@@ -1,4 +1,8 @@
-"""Packed segments (V6): query i of sequence b attends key j iff qseg[b, i] = kvseg[b, j]."""
+"""Packed segments (V6): query i of sequence b attends key j iff qseg[b, i] = kvseg[b, j].
+
+:func:`rule` is the definition (a FlexAttention mask function); the paths evaluate it on
+index arrays (``core.masks.MaskSpec.allows``).
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,9 @@
 """Sliding window (V5): query i attends key j iff pos(i) − left ≤ j ≤ pos(i) + right (None:
-that side unbounded)."""
+that side unbounded).
+
+:func:`rule` is the definition (a FlexAttention mask function); the paths evaluate it on
+index arrays (``core.masks.MaskSpec.allows``), and :func:`bounds` is its interval form.
+"""
 
 from __future__ import annotations
 
@@ -20,3 +24,9 @@ def rule(left=None, right=None, offset: int = 0):
         return out
 
     return window
+
+
+def bounds(pos, left=None, right=None):
+    """``(lo, hi)``: a query at position ``pos`` (an int or array) attends the keys
+    lo ≤ j ≤ hi; None: that side unbounded.  (V5)"""
+    return (None if left is None else pos - left), (None if right is None else pos + right)
