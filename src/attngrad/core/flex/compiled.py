@@ -36,12 +36,14 @@ import sys
 import tempfile
 import threading
 import warnings
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
 
 from ...runtime import fused
 from ...runtime.parallel import run_units
+from ...scores import signature
 from ...scores.codegen import Unsupported, row_functions
 from ..tiled.loop import preprocess_delta
 from ..tiled.masks import SKIP, TileMask
@@ -50,6 +52,7 @@ from .problem import FlexProblem
 ENV_CACHE = "ATTNGRAD_CACHE_DIR"
 RUN_BYTES = 8 << 20  # partial-tile tables of one run of query tiles, at most (worst case)
 PLAN_MEMO_BYTES = 64 << 20  # plans kept for the next head and the backward, at most
+SHARED_PLAN_BYTES = 32 << 20  # plans of positional masks kept across calls (least recently used first out)
 _SKIP, _FULL = -1, -2  # plan codes (as _loops.SKIP, _loops.FULL)
 _RUNTIME = ("_fused_kernels.py", "_vec16.py", "_tiled_kernels.py", "_tanh32.py")
 _MODULES: dict = {}  # source text -> the imported module, or None (it failed to load)
@@ -153,7 +156,7 @@ class Plans:
     ``(plan (tiles, key tiles) int32, allowed (n|1, bq, bk) bool, spans, boxes)``
     (:func:`spans_and_boxes`); kept (up to
     :data:`PLAN_MEMO_BYTES`) for the next head where the rule does not depend on b or h,
-    and for the backward."""
+    and for the backward; a positional mask's plans also for later calls (:class:`_SharedPlans`)."""
 
     def __init__(self, prob: FlexProblem, rule, block_q: int, block_k: int):
         self.prob, self.rule, self.bq, self.bk = prob, rule, block_q, block_k
@@ -164,6 +167,8 @@ class Plans:
         self.memo: dict = {}
         self.kept = 0
         self.lock = threading.Lock()
+        self.building: dict = {}  # key -> the lock its builder holds
+        self.signature = None
 
     def get(self, b: int, h: int, run: int):
         by_b, by_h = getattr(self.rule, "by_b", True), getattr(self.rule, "by_h", True)
@@ -171,13 +176,36 @@ class Plans:
         found = self.memo.get(key)
         if found is not None:
             return found
-        plan = self._build(b, h, *self.runs[run])
         with self.lock:
-            size = sum(a.nbytes for a in plan)
-            if self.kept + size <= PLAN_MEMO_BYTES:
-                self.memo[key] = plan
-                self.kept += size
+            building = self.building.setdefault(key, threading.Lock())
+        with building:  # one worker builds a plan; another that needs it meanwhile waits for it
+            found = self.memo.get(key)
+            if found is not None:
+                return found
+            shared = self.shared_key(run)
+            plan = None if shared is None else _SHARED.get(shared)
+            if plan is None:
+                plan = self._build(b, h, *self.runs[run])
+                if shared is not None:
+                    _SHARED.put(shared, plan)
+            with self.lock:
+                size = sum(a.nbytes for a in plan)
+                if self.kept + size <= PLAN_MEMO_BYTES:
+                    self.memo[key] = plan
+                    self.kept += size
         return plan
+
+    def shared_key(self, run: int):
+        """The key of this run's plan among calls, or None where it is not shared: only a mask
+        function that reads no captured tensor and neither b nor h, with no block table (its
+        plan is then a function of its expression, constants included, the lengths and tiles)."""
+        prob = self.prob
+        if prob.mask is None or prob.table is not None or prob.mask.captured or self.rule.by_b or self.rule.by_h:
+            return None
+        if self.signature is None:
+            self.signature = signature(prob.mask)
+        sh = prob.shape
+        return (self.signature, np.dtype(prob.cdt).str, sh.lq, sh.lk, self.bq, self.bk, self.runs[run])
 
     def _build(self, b: int, h: int, t0: int, t1: int):
         sh, bq, bk = self.prob.shape, self.bq, self.bk
@@ -197,6 +225,39 @@ class Plans:
         for n, a in enumerate(tables):
             allowed[n, : a.shape[0], : a.shape[1]] = a
         return (plan, allowed, *spans_and_boxes(allowed))
+
+
+class _SharedPlans:
+    """Plans of positional masks (causal, windows, prefix rules: no captured tensor, no b or
+    h) kept across calls, least recently used out first, up to :data:`SHARED_PLAN_BYTES`: a
+    training loop calls the same mask every step, and its plan is the same every time.  The
+    arrays are never written after they are built (the loops only read them)."""
+
+    def __init__(self, limit: int):
+        self.limit, self.kept = limit, 0
+        self.items: OrderedDict = OrderedDict()
+        self.lock = threading.Lock()
+
+    def get(self, key):
+        with self.lock:
+            plan = self.items.get(key)
+            if plan is not None:
+                self.items.move_to_end(key)
+            return plan
+
+    def put(self, key, plan) -> None:
+        size = sum(a.nbytes for a in plan)
+        with self.lock:
+            if key in self.items or size > self.limit:
+                return
+            self.items[key] = plan
+            self.kept += size
+            while self.kept > self.limit:
+                _, old = self.items.popitem(last=False)
+                self.kept -= sum(a.nbytes for a in old)
+
+
+_SHARED = _SharedPlans(SHARED_PLAN_BYTES)
 
 
 def spans_and_boxes(allowed):
