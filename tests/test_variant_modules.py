@@ -182,3 +182,24 @@ def test_each_module_is_one_variant_with_derived_formula_text(name):
 def test_softcap_formula_text_is_checkable_by_hand():
     text = V.formula(V.softcap)
     assert "tanh" in text and "1 − tanh²" in text
+
+
+def test_the_forms_at_gathered_indices_are_the_tile_forms():
+    """Top-k's slots and single-key rows read ALiBi at gathered keys: the same rule."""
+    lq, lk, offset = 5, 11, 3
+    jj = RNG.integers(0, lk, size=(lq, 4))  # (bq, K) gathered key slots
+    i = np.arange(lq)[:, None]
+    tile = V.alibi.distance(np, np.float64, 0, lq, 0, lk, offset)
+    np.testing.assert_array_equal(V.alibi.distance_at(np, np.float64, i, jj, offset),
+                                  np.take_along_axis(tile, jj, axis=1))
+    for sinks in (False, True):
+        tile = V.alibi.grad_distance(np, np.float64, 0, lq, 0, lk, offset, lk, sinks)
+        np.testing.assert_array_equal(V.alibi.grad_distance_at(np, np.float64, i, jj, offset, lk, sinks),
+                                      np.take_along_axis(tile, jj, axis=1))
+
+
+def test_softcap_derivative_is_the_derived_one():
+    c, s0 = 3.0, RNG.standard_normal((4, 6)) * 5
+    _, t = V.softcap.forward(np, s0.copy(), c)
+    dfds = _run_score(V.softcap.rule(c), s0)[1]
+    np.testing.assert_allclose(V.softcap.derivative(np, t), dfds, rtol=1e-12, atol=1e-15)

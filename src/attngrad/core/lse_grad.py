@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..scores.variants import alibi, softcap
 from .problem import Problem
 
 __all__ = ["alibi_lse_term", "flat_lse_fix"]
@@ -58,12 +59,11 @@ def flat_lse_fix(cache, dlse, grads, intervals) -> None:
             qk = np.einsum("nd,nd->n", qr, kr)  # (n,) (Q K^T)_ij
             g0 = g1
             if prob.softcap is not None:  # (V1)
-                t = np.tanh(scale * qk / prob.softcap)
-                g0 = g1 * (1.0 - t * t)
+                _, t = softcap.forward(np, scale * qk, prob.softcap)
+                g0 = g1 * softcap.derivative(np, t)
             if prob.alibi is not None:  # (V4, V8) the shifted distance, as the loops sum it
-                pos = rows + prob.spec.offset
-                c = np.maximum(np.maximum(-pos, pos - (Lk - 1)), 0)
-                grads.per_head[b, h, 0] -= float(np.sum(g1 * (np.abs(pos - j) - c)))
+                dist = alibi.grad_distance_at(np, np.float64, rows, j, prob.spec.offset, Lk, False)  # (n,)
+                grads.per_head[b, h, 0] -= float(np.sum(g1 * dist))
             if prob.scale_grad:  # (V7)
                 grads.per_head[b, h, 1] += float(np.sum(g0 * qk))
             grads.dq[b, h, rows] += (scale * g0[:, None] * kr).astype(grads.dq.dtype)  # (A8)

@@ -9,6 +9,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..runtime._xp import Array
+from ..scores.variants import alibi, softcap
 from .dropout import _GOLDEN, _M2, _mix, _threshold
 from .problem import Problem
 from .topk_kernels import scatter_kernel
@@ -101,14 +102,12 @@ def _softmax(prob: Problem, blk: Block, q, ga: Gathered) -> Soft:
     s *= prob.scale  # (TK2) S0
     t = None
     if prob.softcap is not None:
-        t = np.tanh(s / prob.softcap)  # (V1)
-        s = np.multiply(t, prob.softcap, out=s)
+        s, t = softcap.forward(np, s, prob.softcap)  # (V1)
     if prob.bias is not None:
         s += _gather4(prob.bias, blk, ga.jj)  # (A1) the bias at the slots
     if prob.alibi is not None:
         slopes = prob.alibi[blk.b if prob.alibi.shape[0] > 1 else 0, blk.hs]  # (G,)
-        pos = np.arange(blk.q0, blk.q1)[:, None] + prob.spec.offset  # (bq, 1)
-        dist = np.abs(pos - ga.jj).astype(s.dtype)  # (bq, K)
+        dist = alibi.distance_at(np, s.dtype, np.arange(blk.q0, blk.q1)[:, None], ga.jj, prob.spec.offset)  # (bq, K)
         s -= slopes[:, None, None] * dist  # (V4)
     s = np.where(ga.valid, s, s.dtype.type(-np.inf))  # (TK1) empty slots
     m = s.max(axis=2) if s.shape[2] else np.full(s.shape[:2], -np.inf, s.dtype)  # (G, bq)
@@ -175,14 +174,13 @@ def _block_backward(prob: Problem, blk: Block, q, ga: Gathered, sm: Soft, rows: 
     if acc.ds is not None:
         acc.ds[b, hs, q0:q1] = ds  # (A10) scattered after the units
     if prob.alibi is not None:  # (V4) dslope_h = -sum dS_s |pos(i) - j_s|
-        pos = np.arange(q0, q1)[:, None] + prob.spec.offset
-        dist = np.abs(pos - ga.jj).astype(np.float64)
+        dist = alibi.distance_at(np, np.float64, np.arange(q0, q1)[:, None], ga.jj, prob.spec.offset)  # (bq, K)
         acc.per_head[b, hs, 0] -= np.einsum("gik,ik->g", ds.astype(np.float64), dist)
     if prob.sinks is not None:  # (V2) dsink_h = sum_i P_sink_i (dlse_i - delta_i)
         g_sink = -delta if dlse is None else dlse.astype(np.float64) - delta
         acc.per_head[b, hs, 2] += np.einsum("gi,gi->g", sm.psink.astype(np.float64), g_sink)
     if sm.t is not None:
-        ds = ds * (1 - sm.t * sm.t)  # (V1) dS0
+        ds = softcap.backward(np, ds, sm.t)  # (V1) dS0, in ds's buffer (ds is ours)
         ds = np.where(ga.valid, ds, 0)
     qb = q[b, hs, q0:q1]  # (G, bq, D)
     dq_raw = np.matmul(ds.transpose(1, 0, 2), ga.kg).transpose(1, 0, 2)  # (G, bq, D)  sum_s dS0_s k_{j_s}

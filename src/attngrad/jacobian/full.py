@@ -23,6 +23,7 @@ import functools
 import numpy as np
 
 from ..core.options import options_in
+from ..scores.variants import softcap
 from . import memo
 from .jvp import (
     _any,
@@ -104,7 +105,7 @@ def sdpa_jacobian(q, k, v, wrt: str = "q", *, method: str = "closed", chunk: int
 
 def _logit_weight(r):
     """W = P ∘ (1 − t²): the probabilities times the soft-cap's local derivative (V1); P without one."""
-    return r.p if r.softcap is None else r.p * (1.0 - r.t * r.t)
+    return r.p if r.softcap is None else r.p * softcap.derivative(np, r.t)
 
 
 def _kept(r, a):

@@ -30,9 +30,13 @@ def rule(slopes, offset: int = 0):
 
 def distance(xp, dtype, q0: int, q1: int, k0: int, k1: int, offset: int):
     """|pos(i) − j| for queries [q0, q1) and keys [k0, k1): (q1 − q0, k1 − k0) in ``dtype``."""
-    i = xp.arange(q0, q1)[:, None] + offset  # (lq_tile, 1) query positions
-    j = xp.arange(k0, k1)[None, :]  # (1, lk_tile)
-    return xp.astype(xp.abs(i - j), dtype)  # (lq_tile, lk_tile)
+    return distance_at(xp, dtype, xp.arange(q0, q1)[:, None], xp.arange(k0, k1)[None, :], offset)
+
+
+def distance_at(xp, dtype, q_idx, kv_idx, offset: int):
+    """|pos(i) − j| at query indices ``q_idx`` and key indices ``kv_idx`` (index arrays that
+    broadcast together: a tile's column and row, or gathered key slots), in ``dtype``."""
+    return xp.astype(xp.abs(q_idx + offset - kv_idx), dtype)  # (V4)
 
 
 def forward(xp, s, slopes, dist):
@@ -43,14 +47,20 @@ def forward(xp, s, slopes, dist):
 
 
 def grad_distance(xp, dtype, q0: int, q1: int, k0: int, k1: int, offset: int, lk: int, sinks: bool):
-    """The distances that dL/dslope_h = −Σ dS ∘ dist sums dS against (V8): |pos(i) − j| less
-    c_i, the distance from pos(i) to the keys [0, Lk − 1], for rows without a sink (their dS
-    sums to 0, so the shift changes nothing in exact arithmetic and keeps a row far from its
-    keys from multiplying the rounding of that zero sum by ~|pos(i)|); with sinks, (V4) as is."""
-    dist = distance(xp, xp.float64, q0, q1, k0, k1, offset)  # (lq_tile, lk_tile)
+    """The distances that dL/dslope_h = −Σ dS ∘ dist sums dS against (V8), for queries
+    [q0, q1) and keys [k0, k1): :func:`grad_distance_at` on the tile."""
+    return grad_distance_at(xp, dtype, xp.arange(q0, q1)[:, None], xp.arange(k0, k1)[None, :], offset, lk, sinks)
+
+
+def grad_distance_at(xp, dtype, q_idx, kv_idx, offset: int, lk: int, sinks: bool):
+    """(V8) |pos(i) − j| less c_i, the distance from pos(i) to the keys [0, Lk − 1], for rows
+    without a sink (their dS sums to 0, so the shift changes nothing in exact arithmetic and
+    keeps a row far from its keys from multiplying the rounding of that zero sum by ~|pos(i)|);
+    with sinks, (V4) as is.  Formed in float64, then ``dtype``."""
+    dist = distance_at(xp, xp.float64, q_idx, kv_idx, offset)
     if not sinks:
-        pos = xp.arange(q0, q1)[:, None] + offset  # (lq_tile, 1)
+        pos = q_idx + offset
         zero = xp.zeros((), dtype=pos.dtype)
-        c = xp.maximum(xp.maximum(-pos, pos - (lk - 1)), zero)  # (lq_tile, 1) (V8)
+        c = xp.maximum(xp.maximum(-pos, pos - (lk - 1)), zero)  # (V8)
         dist = dist - xp.astype(c, xp.float64)
     return xp.astype(dist, dtype)

@@ -38,6 +38,11 @@ def forward(xp, s, c):
     return t * c, t
 
 
+def derivative(xp, t):
+    """(V1) ∂S¹/∂S⁰ = 1 − t², t = tanh(S⁰ / c) from :func:`forward`: a new array."""
+    return 1.0 - t * t
+
+
 def backward(xp, ds, t):
     """(V1) dS⁰ = dS¹ ∘ (1 − t²), t = tanh(S⁰ / c) from :func:`forward`; NumPy: in ``ds``'s
     buffer.  ``t`` is only read (it is the forward's cache, which serves any number of
