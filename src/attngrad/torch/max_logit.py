@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from attngrad.core.max_logit import max_logit
+from attngrad.core.max_logit import max_logit, max_logit_of
 from attngrad.core.problem import make_problem
 from attngrad.core.varlen import varlen_max_logit
 from attngrad.torch.ops import _np, _options, _window
@@ -42,7 +42,7 @@ def max_logit_op(
     options = _options(bias, mask, None, None, alibi, None, causal, scale, softcap, window, 0.0, _np)
     qn, kn, vn = _np(q), _np(k), _np(v)
     prob = make_problem(np, qn, kn, vn, options)
-    top = max_logit(np, qn.astype(prob.cdt, copy=False), kn.astype(prob.cdt, copy=False), prob)
+    top = max_logit_of(np, qn, kn, prob)
     return torch.from_numpy(np.ascontiguousarray(top, dtype=np.float64)).to(q.dtype)
 
 

@@ -46,7 +46,7 @@ from ...runtime._xp import Array
 from ...runtime.parallel import run_units
 from ...scores import scatter_add
 from ..tiled.loop import preprocess_delta
-from ..tiled.masks import SKIP, TileMask, used
+from ..tiled.masks import SKIP, TileMask, used, used_by_tiles
 from . import compiled
 from .blocks import TileRule, index_grid
 from .problem import FlexProblem
@@ -125,22 +125,7 @@ def structural_zeros(prob: FlexProblem, tiles: Tiles, rule: TileRule, q, k, v):
     rule's tiles (no (Lq, Lk) array); for a full run.  New arrays where anything is zeroed."""
     if rule.trivial:
         return q, k, v
-    B, H, Hkv, Lq, Lk = prob.shape[:5]
-    G = prob.shape.group
-    bq, bk = tiles.block_q, tiles.block_k
-    rows = np.zeros((B, H, Lq), bool)  # (B, H, Lq) rows with an allowed key
-    keys = np.zeros((B, Hkv, Lk), bool)  # (B, Hkv, Lk) keys some row of the group may attend
-    for b in range(B):
-        for h in range(H):
-            for q0 in range(0, Lq, bq):
-                q1 = min(q0 + bq, Lq)
-                for k0 in range(0, Lk, bk):
-                    k1 = min(k0 + bk, Lk)
-                    tile = rule(b, h, q0, q1, k0, k1)
-                    if tile is SKIP:
-                        continue
-                    rows[b, h, q0:q1] |= True if tile is None or tile.rows_used is None else tile.rows_used
-                    keys[b, h // G, k0:k1] |= True if tile is None or tile.cols_used is None else tile.cols_used
+    rows, keys = used_by_tiles(prob.shape, (tiles.block_q, tiles.block_k), rule)  # (B, H, Lq), (B, Hkv, Lk)
     if rows.all() and keys.all():
         return q, k, v
     return (np.where(rows[..., None], q, 0).astype(q.dtype, copy=False),

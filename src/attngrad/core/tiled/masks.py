@@ -89,10 +89,16 @@ def head_used(prob: Problem, blocks: tuple):
     """The dense path's structural zeroing (RELIABILITY 1, 4): ``(rows, keys)``, rows
     (B, H, Lq) bool with an allowed key, keys (B, Hkv, Lk) bool that some query head of the
     group may attend; from the tiles of :class:`TileMasks` (no (Lq, Lk) array)."""
-    B, H, Hkv, Lq, Lk = prob.shape[:5]
-    G = prob.shape.group
+    return used_by_tiles(prob.shape, blocks, TileMasks(prob.spec))
+
+
+def used_by_tiles(shape, blocks: tuple, tile_of):
+    """``(rows (B, H, Lq), keys (B, Hkv, Lk))`` bool: the query rows with an allowed key and
+    the keys some query head of their group may attend, from ``tile_of(b, h, q0, q1, k0, k1)``
+    (SKIP, None: every entry, or a :class:`TileMask`) over tiles of ``blocks``."""
+    B, H, Hkv, Lq, Lk = shape[:5]
+    G = shape.group
     bq, bk = blocks
-    masks = TileMasks(prob.spec)
     rows = np.zeros((B, H, Lq), dtype=bool)
     keys = np.zeros((B, Hkv, Lk), dtype=bool)
     for b in range(B):
@@ -101,13 +107,11 @@ def head_used(prob: Problem, blocks: tuple):
                 q1 = min(q0 + bq, Lq)
                 for k0 in range(0, Lk, bk):
                     k1 = min(k0 + bk, Lk)
-                    tile = masks(b, h, q0, q1, k0, k1)
+                    tile = tile_of(b, h, q0, q1, k0, k1)
                     if tile is SKIP:
                         continue
-                    r = True if tile is None or tile.rows_used is None else tile.rows_used
-                    c = True if tile is None or tile.cols_used is None else tile.cols_used
-                    rows[b, h, q0:q1] |= r
-                    keys[b, h // G, k0:k1] |= c
+                    rows[b, h, q0:q1] |= True if tile is None or tile.rows_used is None else tile.rows_used
+                    keys[b, h // G, k0:k1] |= True if tile is None or tile.cols_used is None else tile.cols_used
     return rows, keys
 
 
