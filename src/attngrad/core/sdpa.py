@@ -17,7 +17,14 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..runtime._xp import check_array, check_float_dtypes, dtype_name, frozen_record, namespace
+from ..runtime._xp import (
+    check_array,
+    check_flag,
+    check_float_dtypes,
+    dtype_name,
+    frozen_record,
+    namespace,
+)
 from . import dense_rows
 from .dense import (
     SDPACache,
@@ -121,8 +128,7 @@ def sdpa_forward(
         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, dropout_p=dropout_p,
         dropout_seed=dropout_seed, scale_grad=scale_grad, kv_indices=kv_indices,
     )
-    if not isinstance(return_max_logit, bool):
-        raise TypeError(f"return_max_logit must be True or False; got {return_max_logit!r}")
+    check_flag("return_max_logit", return_max_logit)
     o, cache = forward(q, k, v, options, make_run(impl, block_q, block_k, threads, out))
     if not return_max_logit:
         return o, cache

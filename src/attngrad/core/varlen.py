@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..runtime._xp import check_array, check_float_dtypes, dtype_name
+from ..runtime._xp import check_array, check_flag, check_float_dtypes, dtype_name
 from .max_logit import max_logit_of
 from .options import AttentionOptions
 from .problem import _dropout_p, _dropout_seed, make_problem
@@ -85,8 +85,7 @@ def sdpa_varlen_forward(
       b * 0x9E3779B97F4A7C15) mod 2^64.  No bias or boolean mask (bias-free).
     - impl, block_q, block_k, threads: as in sdpa_forward, for every sequence.
     """
-    if not isinstance(return_max_logit, bool):
-        raise TypeError(f"return_max_logit must be True or False; got {return_max_logit!r}")
+    check_flag("return_max_logit", return_max_logit)
     sh, cu_q, cu_k, causal = _check_batch(q, k, v, cu_seqlens_q, cu_seqlens_k, causal)
     B = sh.batch
     slopes, alibi_shape = _slopes(alibi_slopes, B, sh.heads)
@@ -99,7 +98,7 @@ def sdpa_varlen_forward(
     for b in range(B):
         q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
         opts = base.replace(
-            alibi_slopes=None if slopes is None else (slopes if slopes.ndim == 1 else slopes[b]),
+            alibi_slopes=_sequence_slopes(slopes, b),
             dropout_seed=None if seed is None else (seed + b * _GOLDEN) % 2**64,
         )
         run = make_run(impl, block_q, block_k, threads, out=_heads(out, q0, q1))
@@ -123,7 +122,7 @@ def varlen_max_logit(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale
     problems = []
     for b in range(sh.batch):
         q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
-        opts = base.replace(alibi_slopes=None if slopes is None else (slopes if slopes.ndim == 1 else slopes[b]))
+        opts = base.replace(alibi_slopes=_sequence_slopes(slopes, b))
         problems.append(make_problem(np, _heads(q, q0, q1), _heads(k, k0, k1), _heads(v, k0, k1), opts))
     return _max_logits(q, k, cu_q, cu_k, problems, threads)
 
@@ -209,6 +208,11 @@ def _sum(parts, shape, dtype):
     for part in parts or ():
         total = total + part
     return np.asarray(total).astype(dtype)
+
+
+def _sequence_slopes(slopes, b: int):
+    """Sequence b's ALiBi slopes: (H,) shared, or row b of (B, H); None without ALiBi."""
+    return None if slopes is None else (slopes if slopes.ndim == 1 else slopes[b])
 
 
 def _heads(a, r0: int, r1: int):

@@ -21,7 +21,7 @@ from ..core.options import AttentionOptions
 from ..core.sdpa import SDPACache, forward, make_run, on_workers
 from ..core.tiled import auto_rule
 from ..runtime import fused, products
-from ..runtime._xp import Array, frozen_record, namespace
+from ..runtime._xp import Array, check_flag, frozen_record, namespace
 from ..runtime.ops import merge_heads, project, split_heads
 from .gate import GateCache, check_gate, gate_forward
 from .mha_params import BIASES, WEIGHTS, check_inputs, check_params
@@ -111,8 +111,7 @@ def mha_forward(
     (one gate per head, over its Dv features) or (E, H*Dv) and (H*Dv,) elementwise; b_g is
     optional.  Their gradients come back under the same keys.
     """
-    if not isinstance(return_max_logit, bool):
-        raise TypeError(f"return_max_logit must be True or False; got {return_max_logit!r}")
+    check_flag("return_max_logit", return_max_logit)
     H, Hkv, D, Dv = check_params(params, num_heads, num_kv_heads)
     gate = check_gate(params, gate, H, Dv)
     qk_opts = check_qk_options(params, rope, qk_norm, qk_norm_eps, D)

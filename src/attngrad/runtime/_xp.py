@@ -140,6 +140,14 @@ def resolve_scale(scale, d: int) -> float:
     return check_scale(scale)
 
 
+def check_flag(name: str, value) -> bool:
+    """``value`` if it is True or False; else a TypeError naming ``name`` (1, "yes" and None
+    are not flags)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False; got {value!r}")
+    return value
+
+
 def check_positive(value, name: str) -> float:
     """A finite real number > 0 (the soft-cap, RoPE's base, a norm's eps) as a Python
     float; TypeError/ValueError naming ``name`` otherwise."""

@@ -40,6 +40,7 @@ from torch.autograd.function import once_differentiable
 
 from attngrad.core import attention_weights
 from attngrad.layers import key_mask_from_torch, mha_backward, mha_forward
+from attngrad.runtime._xp import check_flag
 from attngrad.torch.sdpa import dropout_options
 
 
@@ -176,8 +177,7 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         ``q·k / sqrt(head_dim)`` plus a float ``attn_mask`` / ``key_padding_mask``, over the
         entries that ``attn_mask``, ``key_padding_mask`` and ``is_causal`` allow (ML1; -inf
         for a head with none; dropout is not a logit); in query's dtype, with no gradient."""
-        if not isinstance(return_max_logit, bool):
-            raise TypeError(f"return_max_logit must be True or False; got {return_max_logit!r}")
+        check_flag("return_max_logit", return_max_logit)
         batched = _check_dims(query, key, value, key_padding_mask, attn_mask)
         if not batched:  # (L, E) -> (1, L, E); masks gain the batch axis too
             query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)

@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ...runtime._xp import check_array, dtype_name
+from ...runtime._xp import check_array, check_flag, dtype_name
 from ...runtime.parallel import check_threads
 from ..tiled.masks import SKIP
 from . import dense, tiled
@@ -114,9 +114,8 @@ def flex_forward(q, k, v, score_mod=None, mask_mod=None, scale=None, impl="auto"
     ``return_max_logit``: also the (B, H) largest valid score of each head (ML1, after the
     score function and the mask; -inf for a head with none), for QK-clip; no gradient.
     """
-    for name, flag in (("return_lse", return_lse), ("return_max_logit", return_max_logit)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be True or False; got {flag!r}")
+    check_flag("return_lse", return_lse)
+    check_flag("return_max_logit", return_max_logit)
     prob = make_flex_problem(q, k, v, score_mod, mask_mod, scale)
     out, cache, rows = forward(q, k, v, prob, make_flex_run(impl, block_q, block_k, threads))
     result = (out, cache)
